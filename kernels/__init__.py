@@ -1,0 +1,1 @@
+"""Paged attention kernels and their plain torch references."""

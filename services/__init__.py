@@ -1,0 +1,1 @@
+"""pagedserve stages: gateway, tokenizer, scheduler, executor, and the launcher."""

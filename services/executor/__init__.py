@@ -1,0 +1,1 @@
+"""Executor stage: model weights, KV pool, forward passes, sampling."""

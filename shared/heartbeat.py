@@ -1,0 +1,55 @@
+"""A daemon thread that tells the gateway, every interval, that this stage is alive.
+
+It owns its own socket (zmq sockets are not thread-safe) and asks the stage for its
+current state through a callback, so a stage busy in a long computation still
+answers: the callback only reads fields the stage keeps up to date.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from shared.messages import Heartbeat, SchedulerStats, StatusToGateway
+from shared.transport import PushSocket
+
+log = logging.getLogger(__name__)
+
+
+class HeartbeatThread(threading.Thread):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        stage: str,
+        replica: str,
+        state: Callable[[], str],
+        stats: Callable[[], SchedulerStats | None] = lambda: None,
+        interval_s: float = 0.25,
+    ):
+        super().__init__(name=f"heartbeat-{stage}", daemon=True)
+        self._sock = PushSocket(ctx, address, StatusToGateway)
+        self._sock.sock.setsockopt(zmq.SNDHWM, 4)  # stale heartbeats are worthless
+        self.stage, self.replica, self.state, self.stats = stage, replica, state, stats
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                beat = Heartbeat(
+                    stage=self.stage, replica=self.replica, pid=os.getpid(), state=self.state(),
+                    sent_at=time.time(), scheduler=self.stats(),
+                )
+                self._sock.send_nowait(beat)
+            except Exception:  # a heartbeat must never take its stage down
+                log.exception("heartbeat failed")
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,204 @@
+"""Every message that crosses a socket, one msgspec Struct per type, grouped by channel.
+
+Each channel has a tagged union of the messages allowed on it; `shared.transport`
+decodes a frame only into that union, so a stage never sees a type it did not expect.
+Stages never import each other: this module is their whole contract.
+"""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+
+class SamplingParams(Struct, frozen=True):
+    """What the user asked for; validated by the gateway, carried end to end."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k cut
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+
+class ChatMessage(Struct, frozen=True):
+    role: str
+    content: str
+
+
+# --- gateway -> tokenizer -------------------------------------------------------------
+
+
+class GenerateRequest(Struct, tag=True):
+    """A new request. Exactly one of prompt, prompt_token_ids, messages is set."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class AbortRequest(Struct, tag=True):
+    """The client went away or the request must stop; sent down the pipeline."""
+
+    request_id: str
+
+
+GatewayToTokenizer = GenerateRequest | AbortRequest
+
+
+# --- tokenizer -> gateway -------------------------------------------------------------
+
+
+class TextDelta(Struct, tag=True):
+    """New text of one request. finish_reason set means this is the last message."""
+
+    request_id: str
+    text: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None
+
+
+class RequestError(Struct, tag=True):
+    """A request ends with an error. status follows HTTP (400 bad input, 500 internal)."""
+
+    request_id: str
+    status: int
+    message: str
+    error_type: str = "invalid_request_error"
+    param: str | None = None
+
+
+TokenizerToGateway = TextDelta | RequestError
+
+
+# --- tokenizer -> scheduler -----------------------------------------------------------
+
+
+class TokenizedRequest(Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+
+
+class FinishRequest(Struct, tag=True):
+    """The detokenizer found a stop string: end the request as finished, not aborted."""
+
+    request_id: str
+    reason: str = "stop"
+
+
+TokenizerToScheduler = TokenizedRequest | FinishRequest | AbortRequest
+
+
+# --- scheduler -> tokenizer -----------------------------------------------------------
+
+
+class TokenDelta(Struct, tag=True):
+    """Tokens a request generated in one step; finish_reason set on its last one."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    finish_reason: str | None = None
+
+
+SchedulerToTokenizer = TokenDelta | RequestError
+
+
+# --- scheduler -> executor ------------------------------------------------------------
+
+
+class SeqSampling(Struct, frozen=True):
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+
+
+class ScheduledSeq(Struct):
+    """One sequence's share of a step: its new tokens and where their KV goes.
+
+    token_ids are the tokens to run at positions start_pos..start_pos+len-1; the
+    sequence attends over start_pos + len tokens of context through block_table;
+    slot_mapping gives each new token's flat slot (block * block_size + offset).
+    When sample is set, the last token's logits are sampled; output_index is the
+    index of the token being produced, which seeds it reproducibly.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    slot_mapping: list[int]
+    sample: bool
+    output_index: int
+    sampling: SeqSampling
+
+
+class ExecuteStep(Struct, tag=True):
+    step_id: int
+    seqs: list[ScheduledSeq]
+    block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write copies first
+
+
+SchedulerToExecutor = ExecuteStep
+
+
+# --- executor -> scheduler ------------------------------------------------------------
+
+
+class ExecutorReady(Struct, tag=True):
+    """Sent when an executor (re)starts: the pool it allocated and the model's limits."""
+
+    executor_id: str
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+class StepResult(Struct, tag=True):
+    """sampled[i] is the token of seqs[i] of the step, or -1 where it was not sampled."""
+
+    step_id: int
+    sampled: list[int]
+    forward_s: float
+
+
+class StepFailed(Struct, tag=True):
+    step_id: int
+    message: str
+
+
+ExecutorToScheduler = ExecutorReady | StepResult | StepFailed
+
+
+# --- every stage -> gateway (status) --------------------------------------------------
+
+
+class SchedulerStats(Struct):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    num_preemptions_total: int = 0
+    num_steps_total: int = 0
+
+
+class Heartbeat(Struct, tag=True):
+    stage: str
+    replica: str
+    pid: int
+    state: str  # "ready", or what it waits for
+    sent_at: float
+    scheduler: SchedulerStats | None = None
+
+
+StatusToGateway = Heartbeat

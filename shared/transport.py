@@ -1,0 +1,180 @@
+"""Typed ZeroMQ sockets: the only place that touches zmq or encodes a frame.
+
+Each wrapper is built with the message type (usually a channel's tagged union) it
+carries; `send` encodes with msgpack and `recv` decodes only into that type. A frame
+that fails to decode is logged and dropped, so garbage on a socket never kills a
+stage. Sockets bind or connect by address (ipc:// or tcp://).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Generic, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _open(ctx: zmq.Context, kind: int, address: str, bind: bool, opts: dict | None = None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    for opt, value in (opts or {}).items():
+        sock.setsockopt(opt, value)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+class _Typed(Generic[T]):
+    def __init__(
+        self, ctx: zmq.Context, kind: int, address: str, msg_type: type[T], *, bind: bool, opts=None
+    ):
+        self.address = address
+        self.sock = _open(ctx, kind, address, bind, opts)
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+        self.dropped = 0
+
+    def _decode(self, frame: bytes) -> T | None:
+        try:
+            return self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.dropped += 1
+            log.warning("dropped malformed frame on %s: %s", self.address, exc)
+            return None
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class PushSocket(_Typed[T]):
+    def __init__(self, ctx: zmq.Context, address: str, msg_type: type[T], *, bind: bool = False):
+        super().__init__(ctx, zmq.PUSH, address, msg_type, bind=bind)
+
+    def send(self, msg: T) -> None:
+        self.sock.send(_encoder.encode(msg), copy=False)
+
+    def send_nowait(self, msg: T) -> bool:
+        """False when no peer can take the message now (it is dropped)."""
+        try:
+            self.sock.send(_encoder.encode(msg), zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
+
+class PullSocket(_Typed[T]):
+    def __init__(self, ctx: zmq.Context, address: str, msg_type: type[T], *, bind: bool = True):
+        super().__init__(ctx, zmq.PULL, address, msg_type, bind=bind)
+
+    def recv(self, timeout_ms: int | None = None) -> T | None:
+        """Next well-formed message, or None when timeout_ms passes without one."""
+        while True:
+            if timeout_ms is not None and not self.sock.poll(timeout_ms):
+                return None
+            msg = self._decode(self.sock.recv(copy=True))
+            if msg is not None:
+                return msg
+
+    def recv_nowait(self) -> list[T]:
+        """Every message already queued, without blocking."""
+        out = []
+        while True:
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            msg = self._decode(frame)
+            if msg is not None:
+                out.append(msg)
+
+
+class RouterSocket(_Typed[T]):
+    """Bound end of a two-way channel with many peers; replies go to a named peer."""
+
+    def __init__(
+        self, ctx: zmq.Context, address: str, recv_type: type[T], send_type: type, *, bind: bool = True
+    ):
+        super().__init__(ctx, zmq.ROUTER, address, recv_type, bind=bind, opts={zmq.ROUTER_MANDATORY: 1})
+
+    def send(self, peer: bytes, msg) -> bool:
+        """False when the peer is gone (the message is dropped, the caller decides)."""
+        try:
+            self.sock.send_multipart([peer, _encoder.encode(msg)], flags=zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError) as exc:
+            if isinstance(exc, zmq.ZMQError) and exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            log.warning("peer %r unreachable on %s", peer, self.address)
+            return False
+
+    def recv_nowait(self) -> list[tuple[bytes, T]]:
+        out = []
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            if len(frames) != 2:
+                self.dropped += 1
+                log.warning("dropped frame with %d parts on %s", len(frames), self.address)
+                continue
+            msg = self._decode(frames[1])
+            if msg is not None:
+                out.append((frames[0], msg))
+
+
+class DealerSocket(_Typed[T]):
+    """Connecting end of a two-way channel; identity names this peer to the router."""
+
+    def __init__(
+        self, ctx: zmq.Context, address: str, recv_type: type[T], identity: str, *, bind: bool = False
+    ):
+        super().__init__(
+            ctx, zmq.DEALER, address, recv_type, bind=bind, opts={zmq.IDENTITY: identity.encode()}
+        )
+
+    def send(self, msg) -> None:
+        self.sock.send(_encoder.encode(msg), copy=False)
+
+    def recv_nowait(self) -> list[T]:
+        return PullSocket.recv_nowait(self)  # type: ignore[arg-type]
+
+
+class AsyncPushSocket(Generic[T]):
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, msg_type: type[T], *, bind: bool = False):
+        self.address = address
+        self.sock = _open(ctx, zmq.PUSH, address, bind)
+
+    async def send(self, msg: T) -> None:
+        await self.sock.send(_encoder.encode(msg), copy=False)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class AsyncPullSocket(Generic[T]):
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, msg_type: type[T], *, bind: bool = True):
+        self.address = address
+        self.sock = _open(ctx, zmq.PULL, address, bind)
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+        self.dropped = 0
+
+    async def recv(self) -> T:
+        while True:
+            frame = await self.sock.recv()
+            try:
+                return self._decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self.dropped += 1
+                log.warning("dropped malformed frame on %s: %s", self.address, exc)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
