@@ -178,3 +178,12 @@ class AsyncPullSocket(Generic[T]):
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+def wait_readable(sockets: list[_Typed], timeout_ms: int) -> list[_Typed]:
+    """The sockets among `sockets` that have a message waiting, after at most timeout_ms."""
+    poller = zmq.Poller()
+    for s in sockets:
+        poller.register(s.sock, zmq.POLLIN)
+    ready = dict(poller.poll(timeout_ms))
+    return [s for s in sockets if s.sock in ready]

@@ -1,0 +1,83 @@
+"""The scheduler's request: the single source of truth for one request's state.
+
+Counts the scheduler needs (tokens to compute, blocks needed) are derived from the
+token lists and `num_computed_tokens`, never stored twice.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.messages import SamplingParams, SeqSampling
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    arrival_time: float
+    reply_to: bytes = b""  # the tokenizer replica that owns this request's text
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not in the cache yet: the prompt, or the last sampled token."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    @property
+    def sampling(self) -> SeqSampling:
+        p = self.params
+        return SeqSampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        n = self.num_prompt_tokens
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+
+    def stop_reason(self, max_model_len: int) -> str | None:
+        """Why the request ends after its latest token, or None to go on."""
+        last = self.output_token_ids[-1]
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return "stop"
+        if last in self.params.stop_token_ids:
+            return "stop"
+        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,204 @@
+"""Iteration-level continuous batching over a paged KV pool.
+
+Every step: running requests first (each needs its next token, or the next chunk
+of its prompt), then waiting requests in arrival order while the token budget, the
+running-request cap and free blocks allow. When blocks run out, the newest running
+request is preempted: its blocks are freed and it is recomputed later (prompt and
+generated tokens together), so a request that fits the pool alone always finishes.
+Pure logic: it builds the step message but never touches a socket.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import Request, RequestStatus
+from shared.messages import ExecuteStep, ScheduledSeq, SchedulerStats, TokenDelta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        r = self.request
+        return r.num_computed_tokens + self.num_tokens == r.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+        self.num_steps_total = 0
+        self._next_step_id = 0
+
+    # --- requests in and out -------------------------------------------------------
+
+    def check_fits(self, req: Request) -> str | None:
+        """Why a request can never run on this pool, or None if it can."""
+        if req.max_total_tokens > self.config.max_model_len:
+            return (
+                f"prompt ({req.num_prompt_tokens} tokens) plus max_tokens ({req.params.max_tokens}) "
+                f"exceeds the maximum context length of {self.config.max_model_len} tokens"
+            )
+        need = self.blocks.blocks_for(req.max_total_tokens)
+        if need > self.blocks.num_blocks:
+            return (
+                f"the request needs up to {need} KV blocks but the whole KV cache holds "
+                f"{self.blocks.num_blocks}; lower max_tokens or the prompt length"
+            )
+        return None
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_request(self, request_id: str, reason: str) -> Request | None:
+        """End a request now (abort, stop string); frees its blocks. None if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self._finish(req, reason)
+        return req
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.blocks.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)
+        log.info("preempted %s (recompute %d tokens later)", req.request_id, req.num_tokens)
+
+    def preempt_all(self) -> None:
+        """Every running request loses its KV (e.g. the executor restarted)."""
+        for req in reversed(self.running):
+            self._preempt(req)
+        self.running.clear()
+
+    # --- one step --------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self) -> tuple[ExecuteStep, list[ScheduledChunk]] | None:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        copies: list[tuple[int, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_uncomputed_tokens, budget)
+            while not self.blocks.can_append(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                copies += self.blocks.append_slots(req, n)
+                chunks.append(ScheduledChunk(req, n))
+                budget -= n
+                i += 1
+                continue
+            break
+
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_uncomputed_tokens, budget)
+            if not self.blocks.can_allocate(req, n):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(req, n)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(ScheduledChunk(req, n))
+            budget -= n
+
+        if not chunks:
+            return None
+        step = ExecuteStep(step_id=self._next_step_id, seqs=[self._seq(c) for c in chunks], block_copies=copies)
+        self._next_step_id += 1
+        return step, chunks
+
+    def _seq(self, chunk: ScheduledChunk) -> ScheduledSeq:
+        req, start = chunk.request, chunk.request.num_computed_tokens
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.token_ids(start, start + chunk.num_tokens),
+            start_pos=start,
+            block_table=list(req.block_table),
+            slot_mapping=self.blocks.slot_mapping(req, start, chunk.num_tokens),
+            sample=chunk.samples,
+            output_index=req.num_output_tokens,
+            sampling=req.sampling,
+        )
+
+    def process_results(self, chunks: list[ScheduledChunk], sampled: list[int]) -> list[tuple[Request, TokenDelta]]:
+        """Apply one step's sampled tokens; returns the deltas to send, by request."""
+        self.num_steps_total += 1
+        out = []
+        for chunk, token in zip(chunks, sampled, strict=True):
+            req = chunk.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted, finished or preempted while the step ran
+            samples = chunk.samples
+            req.num_computed_tokens += chunk.num_tokens
+            if not samples:
+                continue
+            req.output_token_ids.append(token)
+            reason = req.stop_reason(self.config.max_model_len)
+            if reason is not None:
+                self.running.remove(req)
+                del self.requests[req.request_id]
+                self._finish(req, reason)
+            out.append((req, TokenDelta(req.request_id, [token], req.num_prompt_tokens, reason)))
+        return out
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_total=self.blocks.num_blocks,
+            kv_blocks_used=self.blocks.num_used_blocks,
+            num_preemptions_total=self.num_preemptions_total,
+            num_steps_total=self.num_steps_total,
+        )
+
+    def check_invariants(self) -> None:
+        self.blocks.check_invariants(r.block_table for r in self.requests.values())
+        for r in self.waiting:
+            assert not r.block_table and r.num_computed_tokens == 0
+        assert set(self.running) | set(self.waiting) == set(self.requests.values())

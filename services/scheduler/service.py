@@ -1,0 +1,175 @@
+"""Scheduler stage: the socket loop around `Scheduler` and `BlockManager`.
+
+Requests arrive from tokenizer replicas over a ROUTER socket (replies go back to the
+replica that sent them); one step at a time goes to the executor and its sampled
+tokens come back. The pool's size comes from the executor's `ExecutorReady`; a
+second `ExecutorReady` means the executor restarted and lost the KV cache, so every
+running request is preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+
+import zmq
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import Request
+from services.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from shared.config import Addresses, add_address_args, add_log_args
+from shared.heartbeat import HeartbeatThread
+from shared.messages import (
+    AbortRequest,
+    ExecutorReady,
+    ExecutorToScheduler,
+    FinishRequest,
+    RequestError,
+    SchedulerToExecutor,
+    StepFailed,
+    StepResult,
+    TokenizedRequest,
+    TokenizerToScheduler,
+)
+from shared.transport import PullSocket, PushSocket, RouterSocket, wait_readable
+
+log = logging.getLogger("pagedserve.scheduler")
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="max running requests")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    parser.add_argument("--max-model-len", type=int, default=None, help="cap below the model's own")
+    add_address_args(parser, required=True)
+    add_log_args(parser)
+
+
+class SchedulerService:
+    def __init__(self, args: argparse.Namespace, ctx: zmq.Context):
+        addr = Addresses.from_args(args)
+        self.args = args
+        self.requests_in = RouterSocket(ctx, addr.scheduler_in, TokenizerToScheduler, bind=True)
+        self.steps_out = PushSocket(ctx, addr.executor_in, SchedulerToExecutor, bind=True)
+        self.results_in = PullSocket(ctx, addr.executor_out, ExecutorToScheduler, bind=True)
+        self.scheduler: Scheduler | None = None
+        self.executor_id: str | None = None
+        self.in_flight: tuple[int, list[ScheduledChunk]] | None = None
+        self.pending: list[tuple[bytes, TokenizedRequest]] = []  # before the executor is up
+        self.heartbeat = HeartbeatThread(
+            ctx, addr.status, "scheduler", "scheduler", self._state,
+            lambda: self.scheduler.stats() if self.scheduler else None,
+        )
+        self.running = True
+
+    def _state(self) -> str:
+        return "ready" if self.scheduler else "waiting for executor"
+
+    # --- messages from the executor --------------------------------------------------
+
+    def on_executor_ready(self, msg: ExecutorReady) -> None:
+        if self.scheduler is None:
+            max_len = min(msg.max_model_len, self.args.max_model_len or msg.max_model_len)
+            config = SchedulerConfig(self.args.max_num_seqs, self.args.max_num_batched_tokens, max_len)
+            self.scheduler = Scheduler(config, BlockManager(msg.num_kv_blocks, msg.block_size))
+            log.info("executor %s ready: %d blocks of %d tokens", msg.executor_id, msg.num_kv_blocks, msg.block_size)
+            for peer, req in self.pending:
+                self.on_request(peer, req)
+            self.pending.clear()
+        else:
+            if (msg.num_kv_blocks, msg.block_size) != (self.scheduler.blocks.num_blocks, self.scheduler.blocks.block_size):
+                log.warning("restarted executor reports a different pool; keeping the first one's")
+            log.warning("executor %s (re)started: recomputing %d running requests", msg.executor_id,
+                        len(self.scheduler.running))
+            self.scheduler.preempt_all()
+            self.in_flight = None
+        self.executor_id = msg.executor_id
+
+    def on_step_done(self, msg: StepResult | StepFailed) -> None:
+        if self.in_flight is None or msg.step_id != self.in_flight[0]:
+            return  # a step from before an executor restart
+        _, chunks = self.in_flight
+        self.in_flight = None
+        if isinstance(msg, StepFailed):
+            log.error("step %d failed: %s", msg.step_id, msg.message)
+            for chunk in chunks:
+                req = self.scheduler.finish_request(chunk.request.request_id, "error")
+                if req is not None:
+                    self._reply(req.reply_to, RequestError(req.request_id, 500, f"model execution failed: {msg.message}", "internal_error"))
+            return
+        for req, delta in self.scheduler.process_results(chunks, msg.sampled):
+            self._reply(req.reply_to, delta)
+
+    # --- messages from tokenizers -----------------------------------------------------
+
+    def on_request(self, peer: bytes, msg: TokenizedRequest) -> None:
+        if self.scheduler is None:
+            self.pending.append((peer, msg))
+            return
+        req = Request(msg.request_id, list(msg.prompt_token_ids), msg.params, frozenset(msg.eos_token_ids),
+                      msg.arrival_time, reply_to=peer)
+        problem = self.scheduler.check_fits(req)
+        if problem is None and msg.request_id in self.scheduler.requests:
+            problem = f"request id {msg.request_id!r} is already in use"
+        if problem is not None:
+            self._reply(peer, RequestError(msg.request_id, 400, problem))
+            return
+        self.scheduler.add_request(req)
+
+    def on_end(self, msg: AbortRequest | FinishRequest) -> None:
+        if self.scheduler is None:
+            self.pending = [(p, r) for p, r in self.pending if r.request_id != msg.request_id]
+            return
+        reason = "abort" if isinstance(msg, AbortRequest) else msg.reason
+        self.scheduler.finish_request(msg.request_id, reason)
+
+    def _reply(self, peer: bytes, msg) -> None:
+        self.requests_in.send(peer, msg)
+
+    # --- the loop ---------------------------------------------------------------------
+
+    def serve(self) -> None:
+        self.heartbeat.start()
+        stalled = False  # work is queued but nothing fits until something changes
+        while self.running:
+            can_step = self.in_flight is None and self.scheduler is not None and self.scheduler.has_work
+            ready = wait_readable([self.requests_in, self.results_in], 0 if can_step and not stalled else 100)
+            stalled = stalled and not ready
+            if self.requests_in in ready:
+                for peer, msg in self.requests_in.recv_nowait():
+                    if isinstance(msg, TokenizedRequest):
+                        self.on_request(peer, msg)
+                    else:
+                        self.on_end(msg)
+            if self.results_in in ready:
+                for msg in self.results_in.recv_nowait():
+                    if isinstance(msg, ExecutorReady):
+                        self.on_executor_ready(msg)
+                    else:
+                        self.on_step_done(msg)
+            if self.in_flight is None and self.scheduler and self.scheduler.has_work:
+                scheduled = self.scheduler.schedule()
+                stalled = scheduled is None
+                if scheduled is not None:
+                    step, chunks = scheduled
+                    self.steps_out.send(step)
+                    self.in_flight = (step.step_id, chunks)
+        self.heartbeat.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    ctx = zmq.Context()
+    service = SchedulerService(args, ctx)
+
+    def stop(*_):
+        service.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("scheduler up (pid %d) at %s", os.getpid(), args.scheduler_in)
+    t0 = time.time()
+    service.serve()
+    log.info("scheduler stopped after %.0f s", time.time() - t0)
+    return 0

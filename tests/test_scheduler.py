@@ -1,0 +1,133 @@
+"""Scheduler logic with a model-free executor: batching, chunking, preemption, stops."""
+
+import random
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from shared.messages import SamplingParams
+
+EOS = 2
+
+
+def make(rid, prompt_len, max_tokens, **params):
+    prompt = [random.Random(rid).randrange(3, 100) for _ in range(prompt_len)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), frozenset({EOS}), 0.0)
+
+
+def run_until_done(sched: Scheduler, max_steps=10_000, on_step=None):
+    outputs: dict[str, list[int]] = {}
+    finish: dict[str, str] = {}
+    history: dict[str, list[int]] = {}  # what the fake model has seen, per request
+    for _ in range(max_steps):
+        scheduled = sched.schedule()
+        if scheduled is None:
+            break
+        step, chunks = scheduled
+        sampled = []
+        for seq in step.seqs:
+            seen = history.setdefault(seq.request_id, [])
+            del seen[seq.start_pos:]  # a recompute starts over
+            seen.extend(seq.token_ids)
+            assert len(seq.slot_mapping) == len(seq.token_ids)
+            sampled.append(next_token_from(seen) if seq.sample else -1)
+        for req, delta in sched.process_results(chunks, sampled):
+            outputs.setdefault(req.request_id, []).extend(delta.token_ids)
+            if delta.finish_reason:
+                finish[req.request_id] = delta.finish_reason
+        sched.check_invariants()
+        if on_step:
+            on_step(sched)
+    return outputs, finish
+
+
+def next_token_from(seen: list[int]) -> int:
+    """A model stand-in: the next token depends only on the sequence's tokens so far."""
+    return (sum(seen) * 31 + len(seen)) % 97 + 3
+
+
+def reference_output(prompt, max_tokens):
+    seen, out = list(prompt), []
+    for _ in range(max_tokens):
+        tok = next_token_from(seen)
+        out.append(tok)
+        seen.append(tok)
+    return out
+
+
+def test_continuous_batching_finishes_everything_and_frees_all_blocks():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), BlockManager(64, 4))
+    reqs = [make(f"r{i}", 5 + 7 * i, 3 + i) for i in range(8)]
+    for r in reqs:
+        sched.add_request(r)
+    max_running = []
+    outputs, finish = run_until_done(sched, on_step=lambda s: max_running.append(len(s.running)))
+    assert max(max_running) == 4
+    for r in reqs:
+        assert outputs[r.request_id] == reference_output(r.prompt_token_ids, r.params.max_tokens)
+        assert finish[r.request_id] == "length"
+    assert sched.blocks.num_free_blocks == 64 and not sched.has_work
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16), BlockManager(32, 4))
+    r = make("long", 50, 2)
+    sched.add_request(r)
+    sizes = []
+    while (scheduled := sched.schedule()) is not None:
+        step, chunks = scheduled
+        sizes.append(sum(len(s.token_ids) for s in step.seqs))
+        assert [s.sample for s in step.seqs] == [c.samples for c in chunks]
+        sched.process_results(chunks, [7 if s.sample else -1 for s in step.seqs])
+    assert sizes == [16, 16, 16, 2, 1]
+
+
+def test_preemption_recomputes_and_gives_the_same_outputs():
+    big = Scheduler(SchedulerConfig(), BlockManager(1000, 4))
+    small = Scheduler(SchedulerConfig(), BlockManager(12, 4))  # 48 slots for 4 requests of 20
+    reqs = [(f"p{i}", 8, 12) for i in range(4)]
+    for sched in (big, small):
+        for rid, n, m in reqs:
+            sched.add_request(make(rid, n, m))
+    expected, _ = run_until_done(big)
+    got, finish = run_until_done(small)
+    assert small.num_preemptions_total > 0
+    assert got == expected and set(finish.values()) == {"length"}
+    assert small.blocks.num_free_blocks == 12
+
+
+def test_stop_conditions():
+    sched = Scheduler(SchedulerConfig(max_model_len=64), BlockManager(64, 4))
+    eos = make("eos", 4, 10)
+    sched.add_request(eos)
+    scheduled = sched.schedule()
+    (_, delta), = sched.process_results(scheduled[1], [EOS])
+    assert delta.finish_reason == "stop" and delta.token_ids == [EOS]
+
+    ignore = make("ignore", 4, 2, ignore_eos=True, stop_token_ids=[9])
+    sched.add_request(ignore)
+    _, chunks = sched.schedule()
+    assert sched.process_results(chunks, [EOS])[0][1].finish_reason is None
+    _, chunks = sched.schedule()
+    assert sched.process_results(chunks, [9])[0][1].finish_reason == "stop"
+    assert sched.blocks.num_free_blocks == 64
+
+
+def test_abort_frees_blocks_even_while_its_step_is_in_flight():
+    sched = Scheduler(SchedulerConfig(), BlockManager(16, 4))
+    sched.add_request(make("a", 10, 5))
+    sched.add_request(make("b", 10, 5))
+    _, chunks = sched.schedule()
+    sched.finish_request("a", "abort")
+    deltas = sched.process_results(chunks, [5, 6])
+    assert [req.request_id for req, _ in deltas] == ["b"]
+    sched.check_invariants()
+    sched.finish_request("b", "abort")
+    assert sched.blocks.num_free_blocks == 16 and not sched.has_work
+
+
+def test_requests_that_can_never_fit_are_refused():
+    sched = Scheduler(SchedulerConfig(max_model_len=100), BlockManager(4, 4))
+    assert "context length" in sched.check_fits(make("x", 90, 20))
+    assert "KV blocks" in sched.check_fits(make("y", 10, 10))
+    assert sched.check_fits(make("z", 8, 8)) is None
