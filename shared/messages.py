@@ -190,6 +190,11 @@ class SchedulerStats(Struct):
     kv_blocks_used: int = 0
     num_preemptions_total: int = 0
     num_steps_total: int = 0
+    # decode-only steps: wall time from scheduling to results applied, and the part of it
+    # the executor spent in the model's forward pass
+    decode_steps_total: int = 0
+    decode_step_seconds_total: float = 0.0
+    decode_forward_seconds_total: float = 0.0
 
 
 class Heartbeat(Struct, tag=True):

@@ -48,6 +48,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self.num_steps_total = 0
+        self.decode_steps_total = 0
+        self.decode_step_seconds_total = 0.0
+        self.decode_forward_seconds_total = 0.0
         self._next_step_id = 0
 
     # --- requests in and out -------------------------------------------------------
@@ -195,7 +198,16 @@ class Scheduler:
             kv_blocks_used=self.blocks.num_used_blocks,
             num_preemptions_total=self.num_preemptions_total,
             num_steps_total=self.num_steps_total,
+            decode_steps_total=self.decode_steps_total,
+            decode_step_seconds_total=self.decode_step_seconds_total,
+            decode_forward_seconds_total=self.decode_forward_seconds_total,
         )
+
+    def record_step_time(self, chunks: list[ScheduledChunk], wall_s: float, forward_s: float) -> None:
+        if all(c.num_tokens == 1 for c in chunks):
+            self.decode_steps_total += 1
+            self.decode_step_seconds_total += wall_s
+            self.decode_forward_seconds_total += forward_s
 
     def check_invariants(self) -> None:
         self.blocks.check_invariants(r.block_table for r in self.requests.values())

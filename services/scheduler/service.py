@@ -56,7 +56,7 @@ class SchedulerService:
         self.results_in = PullSocket(ctx, addr.executor_out, ExecutorToScheduler, bind=True)
         self.scheduler: Scheduler | None = None
         self.executor_id: str | None = None
-        self.in_flight: tuple[int, list[ScheduledChunk]] | None = None
+        self.in_flight: tuple[int, list[ScheduledChunk], float] | None = None  # id, chunks, start
         self.pending: list[tuple[bytes, TokenizedRequest]] = []  # before the executor is up
         self.heartbeat = HeartbeatThread(
             ctx, addr.status, "scheduler", "scheduler", self._state,
@@ -90,7 +90,7 @@ class SchedulerService:
     def on_step_done(self, msg: StepResult | StepFailed) -> None:
         if self.in_flight is None or msg.step_id != self.in_flight[0]:
             return  # a step from before an executor restart
-        _, chunks = self.in_flight
+        _, chunks, started = self.in_flight
         self.in_flight = None
         if isinstance(msg, StepFailed):
             log.error("step %d failed: %s", msg.step_id, msg.message)
@@ -101,6 +101,7 @@ class SchedulerService:
             return
         for req, delta in self.scheduler.process_results(chunks, msg.sampled):
             self._reply(req.reply_to, delta)
+        self.scheduler.record_step_time(chunks, time.perf_counter() - started, msg.forward_s)
 
     # --- messages from tokenizers -----------------------------------------------------
 
@@ -150,12 +151,13 @@ class SchedulerService:
                     else:
                         self.on_step_done(msg)
             if self.in_flight is None and self.scheduler and self.scheduler.has_work:
+                started = time.perf_counter()
                 scheduled = self.scheduler.schedule()
                 stalled = scheduled is None
                 if scheduled is not None:
                     step, chunks = scheduled
                     self.steps_out.send(step)
-                    self.in_flight = (step.step_id, chunks)
+                    self.in_flight = (step.step_id, chunks, started)
         self.heartbeat.stop()
 
 
