@@ -37,10 +37,10 @@ class HeartbeatThread(threading.Thread):
         self._sock.sock.setsockopt(zmq.SNDHWM, 4)  # stale heartbeats are worthless
         self.stage, self.replica, self.state, self.stats = stage, replica, state, stats
         self.interval_s = interval_s
-        self._stop = threading.Event()
+        self._stop_event = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop_event.is_set():
             try:
                 beat = Heartbeat(
                     stage=self.stage, replica=self.replica, pid=os.getpid(), state=self.state(),
@@ -49,7 +49,7 @@ class HeartbeatThread(threading.Thread):
                 self._sock.send_nowait(beat)
             except Exception:  # a heartbeat must never take its stage down
                 log.exception("heartbeat failed")
-            self._stop.wait(self.interval_s)
+            self._stop_event.wait(self.interval_s)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stop_event.set()

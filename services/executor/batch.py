@@ -1,0 +1,105 @@
+"""BatchMetadata: one step's sequences flattened into the tensors a forward pass reads.
+
+Built once per `ExecuteStep` and handed to the model whole, so every layer reads
+the same per-step inputs (token ids, positions, KV slots, block tables, context
+lengths) instead of a long argument list. The step is checked here too: a bad block
+table or slot fails the step with a clear message instead of corrupting the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+from torch import Tensor
+
+from shared.messages import ExecuteStep
+
+
+class InvalidStep(ValueError):
+    pass
+
+
+@dataclass
+class BatchMetadata:
+    input_ids: Tensor  # [num_tokens] every sequence's new tokens, end to end
+    positions: Tensor  # [num_tokens]
+    slot_mapping: Tensor  # [num_tokens] flat KV slot of each new token
+    query_start_loc: Tensor  # [num_seqs + 1] where each sequence's tokens start
+    context_lens: Tensor  # [num_seqs] start_pos + its number of new tokens
+    block_tables: Tensor  # [num_seqs, max_blocks], padded with block 0
+    sample_indices: Tensor  # [num_sampled] row of each sampled sequence's last token
+    sampled_seqs: list[int]  # which sequence each sampled row belongs to
+    query_lens: list[int]
+    decode_seqs: list[int]  # sequences with a single new token
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def from_step(
+        cls, step: ExecuteStep, block_size: int, num_blocks: int | None = None, device: str | torch.device = "cpu"
+    ) -> BatchMetadata:
+        seqs = step.seqs
+        if not seqs:
+            raise InvalidStep("step has no sequences")
+        query_lens = [len(s.token_ids) for s in seqs]
+        context_lens = [s.start_pos + n for s, n in zip(seqs, query_lens, strict=True)]
+        for s, n, ctx in zip(seqs, query_lens, context_lens, strict=True):
+            if n == 0:
+                raise InvalidStep(f"{s.request_id}: no tokens to run")
+            if s.start_pos < 0:
+                raise InvalidStep(f"{s.request_id}: negative start_pos {s.start_pos}")
+            if len(s.slot_mapping) != n:
+                raise InvalidStep(f"{s.request_id}: {len(s.slot_mapping)} slots for {n} tokens")
+            if len(s.block_table) * block_size < ctx:
+                raise InvalidStep(
+                    f"{s.request_id}: {len(s.block_table)} blocks cannot hold a context of {ctx} tokens"
+                )
+
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+        if num_blocks is not None and (tables.min() < 0 or tables.max() >= num_blocks):
+            raise InvalidStep(f"block table entry outside the pool of {num_blocks} blocks")
+
+        q_lens = torch.tensor(query_lens)
+        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.long)
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
+        start_pos = torch.tensor([s.start_pos for s in seqs])
+        positions = torch.arange(int(query_start_loc[-1])) - (query_start_loc[:-1] - start_pos)[seq_of_token]
+        slot_mapping = torch.tensor(list(chain.from_iterable(s.slot_mapping for s in seqs)), dtype=torch.long)
+        expected = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        if not torch.equal(slot_mapping, expected):
+            bad = int((slot_mapping != expected).nonzero()[0])
+            seq = seqs[int(seq_of_token[bad])]
+            raise InvalidStep(
+                f"{seq.request_id}: slot {int(slot_mapping[bad])} for position {int(positions[bad])} "
+                f"disagrees with its block table (expected {int(expected[bad])})"
+            )
+
+        sampled_seqs = [i for i, s in enumerate(seqs) if s.sample]
+        sample_indices = query_start_loc[1:][sampled_seqs] - 1
+        input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in seqs)), dtype=torch.long)
+        return cls(
+            input_ids=input_ids.to(device),
+            positions=positions.to(device),
+            slot_mapping=slot_mapping.to(device),
+            query_start_loc=query_start_loc.to(device),
+            context_lens=torch.tensor(context_lens).to(device),
+            block_tables=tables.to(device),
+            sample_indices=sample_indices.to(device),
+            sampled_seqs=sampled_seqs,
+            query_lens=query_lens,
+            decode_seqs=[i for i, n in enumerate(query_lens) if n == 1],
+            block_size=block_size,
+        )

@@ -1,0 +1,254 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over the paged KV cache.
+
+Numerics follow transformers' LlamaForCausalLM (float32 RMSNorm, RoPE in the
+activation dtype) so outputs match it. Two differences in form: q/k/v and gate/up
+projections are fused into one matmul each (fewer, larger matmuls are what a CPU
+wants), and logits are computed only for the rows that get sampled. On a CPU with
+no half-precision GEMM, large half-precision matmuls run in float32. Every per-step
+input comes from a `BatchMetadata`; attention goes through an `AttentionBackend`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kernels.attention import AttentionBackend
+from services.executor.batch import BatchMetadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# From this many rows on, a half-precision matmul on a CPU without a half-precision GEMM
+# (AVX2 only) is cheaper done in float32, weight conversion included: ~2x at 128 rows.
+UPCAST_MIN_ROWS = 64
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+@functools.cache
+def _cpu_lacks_gemm(dtype: torch.dtype) -> bool:
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        if dtype == torch.bfloat16:
+            return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    except (AttributeError, RuntimeError):
+        return torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2")
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    if x.shape[0] >= UPCAST_MIN_ROWS and x.device.type == "cpu" and _cpu_lacks_gemm(x.dtype):
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding:
+    """cos/sin for arbitrary positions, with the config's rope type (default, llama3, linear, ...).
+
+    Dynamic NTK scaling is evaluated at max_position_embeddings, which is what
+    transformers does for any sequence that fits in it (and max_model_len is that).
+    """
+
+    def __init__(self, config, device: torch.device | str):
+        params = config.rope_parameters or {}
+        rope_type = params.get("rope_type", "default")
+        dim = head_dim_of(config)
+        # built outside any meta-device context the model may be constructed in
+        with torch.device(device):
+            if rope_type == "default":
+                base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+                self.inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+                self.scaling = 1.0
+            elif rope_type in ROPE_INIT_FUNCTIONS:
+                self.inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device(device))
+            else:
+                raise ValueError(f"unsupported rope type {rope_type!r}")
+        if self.inv_freq.numel() * 2 != dim:
+            raise ValueError("partial rotary embeddings are not supported")
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Each [num_tokens, 1, head_dim // 2], broadcasting over heads."""
+        freqs = positions[:, None].float() * self.inv_freq
+        return ((freqs.cos() * self.scaling).to(dtype)[:, None, :],
+                (freqs.sin() * self.scaling).to(dtype)[:, None, :])
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [num_tokens, heads, head_dim], rotating its two halves (the Llama/NeoX layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked into one weight; shards name their rows."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shards: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in shards.items():
+            self.shards[name] = (offset, size)
+            offset += size
+
+
+class Attention(nn.Module):
+    def __init__(self, config, backend: AttentionBackend, qkv_bias: bool, o_bias: bool,
+                 sliding_window: int | None):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = num_kv_heads_of(config)
+        self.head_dim = head_dim_of(config)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} heads do not split into {self.num_kv_heads} KV heads")
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        self.split = (q_size, kv_size, kv_size)
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.backend = backend
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: BatchMetadata,
+                k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        self.backend.write_kv_to_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.backend.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+            self.scale, self.sliding_window,
+        )
+        return self.o_proj(out.view(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        size, bias = config.intermediate_size, getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, backend: AttentionBackend):
+        super().__init__()
+        qwen2 = config.model_type == "qwen2"
+        attention_bias = getattr(config, "attention_bias", False)
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
+            window = None
+        self.self_attn = Attention(config, backend, qkv_bias=attention_bias or qwen2,
+                                   o_bias=attention_bias and not qwen2, sliding_window=window)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: BatchMetadata,
+                k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection -> (our fused module, its shard)
+    STACKED = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, config, backend: AttentionBackend, device: torch.device | str = "cpu"):
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model type {config.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+        self.config = config
+        self.model = LlamaModel(config, backend)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config, device)
+
+    def forward(self, meta: BatchMetadata, k_caches: list[Tensor], v_caches: list[Tensor]) -> Tensor:
+        """Float32 logits [num_sampled, vocab] for meta.sample_indices, in that order."""
+        x = self.model.embed_tokens(meta.input_ids)
+        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
+            x = layer(x, cos, sin, meta, k_cache, v_cache)
+        x = self.model.norm(x[meta.sample_indices])
+        head = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return linear(x, head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy checkpoint tensors (transformers' names) in; raises unless every weight is set."""
+        params = dict(self.named_parameters())
+        expected = set()
+        for name in params:
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            shards = module.shards if isinstance(module, MergedLinear) else {None: None}
+            expected |= {(name, shard) for shard in shards}
+        loaded = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name or (self.tied and hf_name == "lm_head.weight"):
+                continue
+            name, shard = hf_name, None
+            for proj, (fused, shard_name) in self.STACKED.items():
+                if f".{proj}." in hf_name:
+                    name, shard = hf_name.replace(f".{proj}.", f".{fused}."), shard_name
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint weight {hf_name!r} has no place in the model")
+            target = params[name].data
+            if shard is not None:
+                offset, size = self.get_submodule(name.rsplit(".", 1)[0]).shards[shard]
+                target = target.narrow(0, offset, size)
+            if target.shape != tensor.shape:
+                raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add((name, shard))
+        missing = expected - loaded
+        if missing:
+            raise KeyError(f"checkpoint lacks {sorted(str(m) for m in missing)[:5]} ({len(missing)} in all)")

@@ -1,0 +1,85 @@
+"""Turns each sampled row of logits into a token: greedy, or temperature / top-k / top-p sampling.
+
+A seeded sequence draws its token with a generator seeded from (seed, output_index)
+alone, so a request gives the same output whatever else shares its batch and
+however often it is preempted and recomputed. Unseeded rows share one process
+generator and are drawn together; greedy rows take one batched argmax.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import Tensor
+
+from shared.messages import SeqSampling
+
+GREEDY_BELOW = 1e-5  # a temperature this small means greedy
+
+
+def draw_seed(seed: int, output_index: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{output_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # manual_seed wants < 2**63 here
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: Tensor, params: list[SeqSampling], output_indices: list[int]) -> list[int]:
+        """logits [n, vocab] float32, one row per sampled sequence; returns n token ids."""
+        out = [0] * len(params)
+        greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_BELOW]
+        if greedy:
+            for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True):
+                out[i] = token
+        rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
+        if rows:
+            chosen = [params[i] for i in rows]
+            probs = self._probabilities(logits[rows], chosen)
+            for i, token in zip(rows, self._draw(probs, chosen, [output_indices[i] for i in rows]), strict=True):
+                out[i] = token
+        return out
+
+    @staticmethod
+    def _probabilities(logits: Tensor, params: list[SeqSampling]) -> Tensor:
+        """Probabilities after temperature, then top-k and top-p cuts on the rows that ask for them
+        (only those rows are sorted, so a row's numbers never depend on its batch)."""
+        vocab = logits.shape[-1]
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        probs = (logits / temps[:, None]).softmax(dim=-1)
+        cut_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        if not cut_rows:
+            return probs
+        scaled = logits[cut_rows] / temps[cut_rows, None]
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in cut_rows],
+                             device=logits.device)
+        top_p = torch.tensor([params[i].top_p for i in cut_rows], device=logits.device)
+        rank = torch.arange(vocab, device=logits.device)
+        sorted_probs = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf")).softmax(dim=-1)
+        # keep a token while the mass ranked above it is still short of top_p (the first always stays)
+        cut = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]
+        cut[:, 0] = False
+        sorted_probs = sorted_probs.masked_fill(cut, 0.0)
+        probs[cut_rows] = torch.empty_like(sorted_probs).scatter_(-1, order, sorted_probs)
+        return probs
+
+    def _draw(self, probs: Tensor, params: list[SeqSampling], output_indices: list[int]) -> list[int]:
+        picks = [0] * len(params)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            drawn = torch.multinomial(probs[unseeded], 1, generator=self.generator).squeeze(1).tolist()
+            for i, token in zip(unseeded, drawn, strict=True):
+                picks[i] = token
+        for i, p in enumerate(params):
+            if p.seed is not None:
+                gen = torch.Generator(self.device).manual_seed(draw_seed(p.seed, output_indices[i]))
+                picks[i] = int(torch.multinomial(probs[i], 1, generator=gen))
+        return picks

@@ -1,0 +1,119 @@
+"""The executor stage: takes ExecuteSteps from the scheduler, runs them, sends back sampled tokens.
+
+It connects to the scheduler's two bound sockets, announces its KV pool with
+`ExecutorReady`, then runs one step at a time. A step that raises is reported as
+`StepFailed` and the executor keeps serving. SIGTERM/SIGINT end it after the step
+in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+
+import torch
+import zmq
+
+from services.executor.kv_cache import parse_size
+from services.executor.model_runner import ModelRunner
+from shared.config import add_address_args, add_log_args, add_model_args
+from shared.heartbeat import HeartbeatThread
+from shared.messages import (
+    ExecuteStep,
+    ExecutorReady,
+    ExecutorToScheduler,
+    SchedulerToExecutor,
+    StepFailed,
+    StepResult,
+)
+from shared.model_files import resolve_model
+from shared.transport import PullSocket, PushSocket
+
+log = logging.getLogger("pagedserve.executor")
+
+POLL_MS = 100  # how often the idle loop looks at the stop flag
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    add_model_args(parser)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="pool size; wins over --kv-cache-memory")
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                        help="bytes for the KV pool (e.g. 1073741824 or 2GiB); default 1 GiB")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--executor-id", default=None, help="name in heartbeats and ExecutorReady")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--attention-backend", default="auto")
+    add_address_args(parser, required=False)
+    add_log_args(parser)
+
+
+class Executor:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.executor_id = args.executor_id or f"executor-{os.getpid()}"
+        self.state = "loading model"
+        self.stop = threading.Event()
+
+    def run(self) -> int:
+        args = self.args
+        if not args.executor_in or not args.executor_out:
+            raise SystemExit("the executor needs --executor-in and --executor-out")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        ctx = zmq.Context()
+        heartbeat = None
+        if args.status:
+            heartbeat = HeartbeatThread(ctx, args.status, "executor", self.executor_id, lambda: self.state)
+            heartbeat.start()
+        steps = results = None
+        try:
+            runner = ModelRunner(
+                resolve_model(args.model), dtype=args.dtype, block_size=args.block_size,
+                num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+                device=args.device, attention_backend=args.attention_backend,
+            )
+            if self.stop.is_set():
+                return 0
+            steps = PullSocket(ctx, args.executor_in, SchedulerToExecutor, bind=False)
+            results = PushSocket(ctx, args.executor_out, ExecutorToScheduler, bind=False)
+            results.send(ExecutorReady(executor_id=self.executor_id, num_kv_blocks=runner.num_kv_blocks,
+                                       block_size=runner.block_size, max_model_len=runner.max_model_len))
+            self.state = "ready"
+            log.info("executor %s ready", self.executor_id)
+            while not self.stop.is_set():
+                step = steps.recv(timeout_ms=POLL_MS)
+                if step is not None:
+                    results.send(self.execute(runner, step))
+            return 0
+        finally:
+            for sock in (steps, results):
+                if sock is not None:
+                    sock.close()
+            if heartbeat is not None:
+                heartbeat.stop()
+                heartbeat.join(timeout=1)
+
+    def execute(self, runner: ModelRunner, step: ExecuteStep) -> StepResult | StepFailed:
+        try:
+            sampled = runner.execute(step)
+        except Exception as exc:
+            log.exception("step %d failed", step.step_id)
+            return StepFailed(step_id=step.step_id, message=f"{type(exc).__name__}: {exc}")
+        return StepResult(step_id=step.step_id, sampled=sampled, forward_s=runner.last_forward_s)
+
+
+def run(args: argparse.Namespace) -> int:
+    executor = Executor(args)
+
+    def on_signal(signum, _frame):
+        log.info("signal %d: stopping after the current step", signum)
+        executor.stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return executor.run()
