@@ -72,8 +72,9 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses) -> dict[str, 
         "executor": base + ["executor"] + executor + common,
         "gateway": base + ["gateway"] + gateway + common,
     }
+    tokenizer = model + (["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])
     for i in range(args.tokenizer_replicas):
-        cmds[f"tokenizer-{i}"] = base + ["tokenizer", "--replica", f"tokenizer-{i}"] + model + common
+        cmds[f"tokenizer-{i}"] = base + ["tokenizer", "--replica", f"tokenizer-{i}"] + tokenizer + common
     return cmds
 
 

@@ -36,7 +36,16 @@ class Addresses:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Addresses:
-        return cls(**{name: getattr(args, name) for name in ADDRESS_NAMES})
+        """The addresses given, the missing ones taken from $PAGEDSERVE_RUN_DIR if set."""
+        run_dir = os.environ.get("PAGEDSERVE_RUN_DIR")
+        fallback = cls.ipc(run_dir) if run_dir else None
+        values = {}
+        for name in ADDRESS_NAMES:
+            value = getattr(args, name, None) or (fallback and getattr(fallback, name))
+            if not value:
+                raise SystemExit(f"--{name.replace('_', '-')} is required (or set PAGEDSERVE_RUN_DIR)")
+            values[name] = value
+        return cls(**values)
 
     def as_argv(self) -> list[str]:
         out = []

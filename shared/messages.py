@@ -62,8 +62,7 @@ class TextDelta(Struct, tag=True):
     num_prompt_tokens: int
     num_output_tokens: int
     finish_reason: str | None = None
-    # Output tokens not reported before, including those whose text is held back or hidden.
-    token_ids: list[int] = []
+    token_ids: list[int] = []  # the output tokens this delta covers, shown in text or not
 
 
 class RequestError(Struct, tag=True):

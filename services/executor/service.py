@@ -19,7 +19,7 @@ import zmq
 
 from services.executor.kv_cache import parse_size
 from services.executor.model_runner import ModelRunner
-from shared.config import add_address_args, add_log_args, add_model_args
+from shared.config import Addresses, add_address_args, add_log_args, add_model_args
 from shared.heartbeat import HeartbeatThread
 from shared.messages import (
     ExecuteStep,
@@ -61,14 +61,13 @@ class Executor:
 
     def run(self) -> int:
         args = self.args
-        if not args.executor_in or not args.executor_out:
-            raise SystemExit("the executor needs --executor-in and --executor-out")
+        addr = Addresses.from_args(args)
         if args.threads:
             torch.set_num_threads(args.threads)
         ctx = zmq.Context()
         heartbeat = None
-        if args.status:
-            heartbeat = HeartbeatThread(ctx, args.status, "executor", self.executor_id, lambda: self.state)
+        if addr.status:
+            heartbeat = HeartbeatThread(ctx, addr.status, "executor", self.executor_id, lambda: self.state)
             heartbeat.start()
         steps = results = None
         try:
@@ -79,8 +78,8 @@ class Executor:
             )
             if self.stop.is_set():
                 return 0
-            steps = PullSocket(ctx, args.executor_in, SchedulerToExecutor, bind=False)
-            results = PushSocket(ctx, args.executor_out, ExecutorToScheduler, bind=False)
+            steps = PullSocket(ctx, addr.executor_in, SchedulerToExecutor, bind=False)
+            results = PushSocket(ctx, addr.executor_out, ExecutorToScheduler, bind=False)
             results.send(ExecutorReady(executor_id=self.executor_id, num_kv_blocks=runner.num_kv_blocks,
                                        block_size=runner.block_size, max_model_len=runner.max_model_len))
             self.state = "ready"

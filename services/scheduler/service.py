@@ -29,8 +29,10 @@ from shared.messages import (
     FinishRequest,
     RequestError,
     SchedulerToExecutor,
+    SchedulerToTokenizer,
     StepFailed,
     StepResult,
+    TokenDelta,
     TokenizedRequest,
     TokenizerToScheduler,
 )
@@ -43,7 +45,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="max running requests")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     parser.add_argument("--max-model-len", type=int, default=None, help="cap below the model's own")
-    add_address_args(parser, required=True)
+    add_address_args(parser, required=False)
     add_log_args(parser)
 
 
@@ -51,7 +53,7 @@ class SchedulerService:
     def __init__(self, args: argparse.Namespace, ctx: zmq.Context):
         addr = Addresses.from_args(args)
         self.args = args
-        self.requests_in = RouterSocket(ctx, addr.scheduler_in, TokenizerToScheduler, bind=True)
+        self.requests_in = RouterSocket(ctx, addr.scheduler_in, TokenizerToScheduler, SchedulerToTokenizer, bind=True)
         self.steps_out = PushSocket(ctx, addr.executor_in, SchedulerToExecutor, bind=True)
         self.results_in = PullSocket(ctx, addr.executor_out, ExecutorToScheduler, bind=True)
         self.scheduler: Scheduler | None = None
@@ -62,6 +64,7 @@ class SchedulerService:
             ctx, addr.status, "scheduler", "scheduler", self._state,
             lambda: self.scheduler.stats() if self.scheduler else None,
         )
+        self.recently_aborted: dict[str, float] = {}  # request id -> when its abort came
         self.running = True
 
     def _state(self) -> str:
@@ -106,6 +109,9 @@ class SchedulerService:
     # --- messages from tokenizers -----------------------------------------------------
 
     def on_request(self, peer: bytes, msg: TokenizedRequest) -> None:
+        if self.recently_aborted.pop(msg.request_id, None) is not None:
+            self._reply(peer, TokenDelta(msg.request_id, [], len(msg.prompt_token_ids), "abort"))
+            return
         if self.scheduler is None:
             self.pending.append((peer, msg))
             return
@@ -120,11 +126,26 @@ class SchedulerService:
         self.scheduler.add_request(req)
 
     def on_end(self, msg: AbortRequest | FinishRequest) -> None:
-        if self.scheduler is None:
-            self.pending = [(p, r) for p, r in self.pending if r.request_id != msg.request_id]
-            return
+        """Aborts may come through any tokenizer replica, so the owner is told too."""
         reason = "abort" if isinstance(msg, AbortRequest) else msg.reason
-        self.scheduler.finish_request(msg.request_id, reason)
+        req = self.scheduler.finish_request(msg.request_id, reason) if self.scheduler else None
+        if req is not None:
+            owner, n_prompt = req.reply_to, req.num_prompt_tokens
+        else:
+            pending = [(p, r) for p, r in self.pending if r.request_id == msg.request_id]
+            self.pending = [(p, r) for p, r in self.pending if r.request_id != msg.request_id]
+            if not pending:
+                if reason == "abort":  # it may overtake its request through another replica
+                    self.recently_aborted[msg.request_id] = time.monotonic()
+                return
+            owner, n_prompt = pending[0][0], len(pending[0][1].prompt_token_ids)
+        if reason == "abort":
+            self._reply(owner, TokenDelta(msg.request_id, [], n_prompt, "abort"))
+
+    def _forget_old_aborts(self, max_age_s: float = 60.0) -> None:
+        if self.recently_aborted:
+            now = time.monotonic()
+            self.recently_aborted = {k: t for k, t in self.recently_aborted.items() if now - t < max_age_s}
 
     def _reply(self, peer: bytes, msg) -> None:
         self.requests_in.send(peer, msg)
@@ -138,6 +159,7 @@ class SchedulerService:
             can_step = self.in_flight is None and self.scheduler is not None and self.scheduler.has_work
             ready = wait_readable([self.requests_in, self.results_in], 0 if can_step and not stalled else 100)
             stalled = stalled and not ready
+            self._forget_old_aborts()
             if self.requests_in in ready:
                 for peer, msg in self.requests_in.recv_nowait():
                     if isinstance(msg, TokenizedRequest):

@@ -1,0 +1,104 @@
+"""Prometheus metrics the gateway exposes on /metrics, in their own registry.
+
+Gauges mirror the scheduler's latest heartbeat; token and request counters and the
+latency histograms are measured here, from the TextDeltas each request receives.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from shared.messages import SchedulerStats, TextDelta
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("pagedserve_num_requests_running", "Requests the scheduler is running", registry=r)
+        self.waiting = Gauge("pagedserve_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.blocks_total = Gauge("pagedserve_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.blocks_used = Gauge("pagedserve_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_usage = Gauge("pagedserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens_total", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter(
+            "pagedserve_generation_tokens_total", "Tokens generated", registry=r
+        )
+        self.preemptions = Counter("pagedserve_num_preemptions_total", "Scheduler preemptions", registry=r)
+        self.success = Counter(
+            "pagedserve_request_success_total", "Requests finished, by finish reason", ["finish_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pagedserve_time_to_first_token_seconds", "Time to first output token", buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pagedserve_inter_token_latency_seconds", "Time between output tokens", buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pagedserve_e2e_request_latency_seconds", "Request latency, arrival to last token",
+            buckets=E2E_BUCKETS, registry=r,
+        )
+        self._preemptions_seen: dict[str, int] = {}
+
+    def observe_scheduler(self, replica: str, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.blocks_total.set(stats.kv_blocks_total)
+        self.blocks_used.set(stats.kv_blocks_used)
+        self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+        # The scheduler reports a running total; a smaller one means it restarted.
+        seen = self._preemptions_seen.get(replica, 0)
+        total = stats.num_preemptions_total
+        self.preemptions.inc(total - seen if total >= seen else total)
+        self._preemptions_seen[replica] = total
+
+    def track(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTimer:
+    """Latency and token accounting of one request, fed with its TextDeltas."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+        self.start = time.monotonic()
+        self._last: float | None = None
+        self._prompt_counted = False
+        self._tokens = 0
+
+    def on_delta(self, msg: TextDelta) -> None:
+        now = time.monotonic()
+        if not self._prompt_counted:
+            self.m.prompt_tokens.inc(msg.num_prompt_tokens)
+            self._prompt_counted = True
+        new = msg.num_output_tokens - self._tokens
+        if new > 0:
+            self.m.generation_tokens.inc(new)
+            if self._last is None:
+                self.m.ttft.observe(now - self.start)
+            else:  # tokens held back and sent together share the wait evenly
+                for _ in range(new):
+                    self.m.itl.observe((now - self._last) / new)
+            self._last = now
+            self._tokens = msg.num_output_tokens
+        if msg.finish_reason is not None:
+            self.m.success.labels(finish_reason=msg.finish_reason).inc()
+            self.m.e2e.observe(now - self.start)

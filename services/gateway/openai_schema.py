@@ -1,0 +1,383 @@
+"""OpenAI request bodies in (validated, as SamplingParams and a prompt); OpenAI bodies out.
+
+Parsing is strict about what pagedserve uses (types, ranges, the model name) and
+lenient about the rest: unknown fields such as `user` are ignored, so OpenAI clients
+work unchanged. Fields that would change the answer but are not implemented (echo,
+logprobs, penalties, n > 1, ...) are refused rather than silently ignored. Every
+rejection is an ApiError that renders as an OpenAI-style error body.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+from shared.messages import ChatMessage, GenerateRequest, SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+DEFAULT_CHAT_MAX_TOKENS = 1024
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+_INT64 = 2**63
+
+# Fields refused unless they hold a value that means "not used".
+_UNSUPPORTED = {
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "tools": (None, []),
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        error_type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.message, self.status, self.param, self.error_type, self.code = (
+            message, status, param, error_type, code,
+        )
+
+    def body(self) -> dict:
+        return {
+            "error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
+        }
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    kind: str  # "completion" or "chat"
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+
+    def to_generate(self, request_id: str) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=request_id, params=self.params, prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids, messages=self.messages,
+        )
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(f"The request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError("The request body must be a JSON object.")
+    return body
+
+
+def parse_completion(body: dict, model_names: set[str]) -> ParsedRequest:
+    _check_common(body, model_names)
+    prompt, prompt_ids = _prompt(body)
+    max_tokens = _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+    stream, include_usage = _stream(body)
+    return ParsedRequest(
+        "completion", _sampling(body, max_tokens), stream, include_usage, _boolean(body, "return_token_ids", False),
+        prompt=prompt, prompt_token_ids=prompt_ids,
+    )
+
+
+def parse_chat(body: dict, model_names: set[str]) -> ParsedRequest:
+    _check_common(body, model_names)
+    messages = _messages(body)
+    if body.get("max_completion_tokens") is not None:
+        max_tokens = _max_tokens(body, "max_completion_tokens", DEFAULT_CHAT_MAX_TOKENS)
+    else:
+        max_tokens = _max_tokens(body, "max_tokens", DEFAULT_CHAT_MAX_TOKENS)
+    stream, include_usage = _stream(body)
+    return ParsedRequest(
+        "chat", _sampling(body, max_tokens), stream, include_usage, _boolean(body, "return_token_ids", False),
+        messages=messages,
+    )
+
+
+# --- field readers --------------------------------------------------------------------
+
+
+def _type_name(value) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _wrong_type(name: str, expected: str, value) -> ApiError:
+    return ApiError(f"'{name}' must be {expected}, not {_type_name(value)}.", param=name)
+
+
+def _integer(body: dict, name: str, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _wrong_type(name, "an integer", value)
+    if not -_INT64 <= value < _INT64:
+        raise ApiError(f"'{name}' is out of range.", param=name)
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _wrong_type(name, "a number", value)
+    if not math.isfinite(value):
+        raise ApiError(f"'{name}' must be a finite number.", param=name)
+    return float(value)
+
+
+def _boolean(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _wrong_type(name, "a boolean", value)
+    return value
+
+
+def _check_common(body: dict, model_names: set[str]) -> None:
+    model = body.get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            raise _wrong_type("model", "a string", model)
+        if model not in model_names:
+            served = ", ".join(sorted(model_names))
+            raise ApiError(
+                f"The model `{model}` does not exist. This server serves: {served}.",
+                param="model", code="model_not_found",
+            )
+    n = _integer(body, "n", 1)
+    if n < 1:
+        raise ApiError("'n' must be at least 1.", param="n")
+    if n > 1:
+        raise ApiError(
+            "n > 1 is not supported yet: parallel sampling will come with KV block sharing. "
+            "Send n separate requests instead.", param="n",
+        )
+    for name, unused in _UNSUPPORTED.items():
+        if body.get(name) not in unused:
+            raise ApiError(f"'{name}' is not supported by this server.", param=name)
+
+
+def _max_tokens(body: dict, name: str, default: int) -> int:
+    value = _integer(body, name, default)
+    if value < 1:
+        raise ApiError(f"'{name}' must be at least 1, got {value}.", param=name)
+    return value
+
+
+def _sampling(body: dict, max_tokens: int) -> SamplingParams:
+    temperature = _number(body, "temperature", 1.0)
+    if temperature < 0:
+        raise ApiError(f"'temperature' must be >= 0, got {temperature}.", param="temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise ApiError(f"'top_p' must be in (0, 1], got {top_p}.", param="top_p")
+    top_k = _integer(body, "top_k", 0)
+    if top_k < -1:
+        raise ApiError(f"'top_k' must be -1 or 0 (no cut) or positive, got {top_k}.", param="top_k")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=_integer(body, "seed", None),
+        stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body),
+        ignore_eos=_boolean(body, "ignore_eos", False),
+        include_stop_str_in_output=_boolean(body, "include_stop_str_in_output", False),
+    )
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise _wrong_type("stop", "a string or an array of strings", stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(f"Too many stop strings: {len(stop)}, at most {MAX_STOP_STRINGS}.", param="stop")
+    for s in stop:
+        if not s or len(s) > MAX_STOP_STRING_CHARS:
+            raise ApiError(
+                f"Each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters.", param="stop"
+            )
+    return stop
+
+
+def _stop_token_ids(body: dict) -> list[int]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(_is_token_id(t) for t in ids):
+        raise _wrong_type("stop_token_ids", "an array of token ids", ids)
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(f"Too many stop_token_ids: at most {MAX_STOP_TOKEN_IDS}.", param="stop_token_ids")
+    return ids
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _INT64
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _boolean(body, "stream", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise _wrong_type("stream_options", "an object", options)
+    if not stream:
+        raise ApiError("'stream_options' can only be set when 'stream' is true.", param="stream_options")
+    return stream, _boolean(options, "include_usage", False)
+
+
+def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
+    """(text, None) or (None, token ids)."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError("'prompt' is required.", param="prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError("'prompt' must not be empty.", param="prompt")
+        return prompt, None
+    if not isinstance(prompt, list):
+        raise _wrong_type("prompt", "a string or an array of token ids", prompt)
+    if not prompt:
+        raise ApiError("'prompt' must not be empty.", param="prompt")
+    if all(_is_token_id(t) for t in prompt):
+        return None, prompt
+    if all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(
+            "Batched prompts are not supported: send one prompt per request.", param="prompt"
+        )
+    raise ApiError("'prompt' token ids must be non-negative integers.", param="prompt")
+
+
+def _messages(body: dict) -> list[ChatMessage]:
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError("'messages' is required.", param="messages")
+    if not isinstance(messages, list):
+        raise _wrong_type("messages", "an array", messages)
+    if not messages:
+        raise ApiError("'messages' must hold at least one message.", param="messages")
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _message(i: int, msg) -> ChatMessage:
+    where = f"messages[{i}]"
+    if not isinstance(msg, dict):
+        raise _wrong_type(where, "an object", msg)
+    role = msg.get("role")
+    if role not in CHAT_ROLES:
+        raise ApiError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}.", param=where)
+    content = msg.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):
+        content = "\n".join(_text_part(f"{where}.content[{j}]", part) for j, part in enumerate(content))
+    elif not isinstance(content, str):
+        raise _wrong_type(f"{where}.content", "a string or an array of text parts", content)
+    return ChatMessage(role=role, content=content)
+
+
+def _text_part(where: str, part) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+        raise ApiError(
+            f"{where} must be a text part {{\"type\": \"text\", \"text\": ...}}; "
+            f"only text content is supported, not {kind!r}.", param=where,
+        )
+    return part["text"]
+
+
+# --- responses ------------------------------------------------------------------------
+
+
+def new_request_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class ResponseBuilder:
+    """The bodies of one request's answer: the whole object, or its stream of chunks.
+
+    With return_token_ids, each choice also lists its generated token ids (in a stream,
+    the ones new in that chunk).
+    """
+
+    def __init__(
+        self, kind: str, request_id: str, model: str, include_usage: bool = False, return_token_ids: bool = False
+    ):
+        self.kind, self.id, self.model = kind, request_id, model
+        self.include_usage, self.return_token_ids = include_usage, return_token_ids
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def _finish(self, choice: dict, finish_reason: str | None, token_ids: list[int]) -> dict:
+        choice.update(logprobs=None, finish_reason=finish_reason)
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+        return choice
+
+    def full(self, text: str, finish_reason: str | None, usage_: dict, token_ids: list[int] = ()) -> dict:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            obj = "chat.completion"
+        else:
+            choice, obj = {"index": 0, "text": text}, "text_completion"
+        self._finish(choice, finish_reason, list(token_ids))
+        return {**self._envelope(obj, [choice]), "usage": usage_}
+
+    def chunk(
+        self, text: str, finish_reason: str | None = None, role: bool = False, token_ids: list[int] = ()
+    ) -> dict:
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            choice, obj = {"index": 0, "delta": delta}, "chat.completion.chunk"
+        else:
+            choice, obj = {"index": 0, "text": text}, "text_completion"
+        self._finish(choice, finish_reason, list(token_ids))
+        out = self._envelope(obj, [choice])
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._envelope(obj, []), "usage": usage_}

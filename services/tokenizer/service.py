@@ -1,0 +1,112 @@
+"""The tokenizer stage process: load the tokenizer, connect the sockets, run the loop.
+
+Requests arrive round-robin from the gateway on tokenizer_in. This replica talks to
+the scheduler through a DEALER named after itself, so the scheduler's replies for the
+requests it forwarded come back to it. Scheduler messages are served first: they carry
+tokens users are waiting for, while a new prompt can wait a moment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+
+import zmq
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from services.tokenizer.prompts import PromptBuilder
+from services.tokenizer.stage import TokenizerStage
+from shared.config import Addresses, add_address_args, add_log_args, add_model_args
+from shared.heartbeat import HeartbeatThread
+from shared.messages import GatewayToTokenizer, SchedulerToTokenizer, TokenizerToGateway
+from shared.model_files import resolve_model
+from shared.transport import DealerSocket, PullSocket, PushSocket, wait_readable
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 100
+GATEWAY_BATCH = 8  # new requests taken per turn before looking at the scheduler again
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    add_model_args(parser)
+    parser.add_argument("--replica", default=None, help="this replica's name (default tokenizer-<pid>)")
+    parser.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="context length to enforce (default: the model's max_position_embeddings)",
+    )
+    add_address_args(parser, required=False)
+    add_log_args(parser)
+
+
+
+def load_model(model: str, max_model_len: int | None):
+    """(tokenizer, PromptBuilder, eos token ids) for the model."""
+    path = resolve_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path).get_text_config()
+    model_len = max_model_len or getattr(config, "max_position_embeddings", None)
+    if not model_len:
+        raise SystemExit(f"{path}/config.json has no max_position_embeddings: pass --max-model-len")
+    vocab_size = getattr(config, "vocab_size", None) or len(tokenizer)
+    eos = set(_ids(config.eos_token_id)) | set(_ids(tokenizer.eos_token_id))
+    try:
+        eos |= set(_ids(GenerationConfig.from_pretrained(path).eos_token_id))
+    except OSError:
+        pass  # no generation_config.json
+    return tokenizer, PromptBuilder(tokenizer, model_len, vocab_size), sorted(eos)
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def run(args: argparse.Namespace) -> int:
+    addrs = Addresses.from_args(args)
+    replica = args.replica or f"tokenizer-{os.getpid()}"
+    state = "loading tokenizer"
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    ctx = zmq.Context()
+    heartbeat = HeartbeatThread(ctx, addrs.status, "tokenizer", replica, lambda: state)
+    heartbeat.start()
+    to_gateway = PushSocket(ctx, addrs.gateway_in, TokenizerToGateway, bind=False)
+    scheduler = DealerSocket(ctx, addrs.scheduler_in, SchedulerToTokenizer, identity=replica)
+    from_gateway = None
+    try:
+        tokenizer, prompts, eos = load_model(args.model, args.max_model_len)
+        stage = TokenizerStage(tokenizer, prompts, eos, to_gateway.send, scheduler.send)
+        # Connected only now: the gateway deals requests to every connected replica.
+        from_gateway = PullSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, bind=False)
+        log.info("%s ready: max_model_len=%d eos=%s", replica, prompts.max_model_len, eos)
+        state = "ready"
+        _serve(stage, from_gateway, scheduler, stop)
+    finally:
+        heartbeat.stop()  # a daemon thread: it owns its socket, so the context is left to exit
+        for sock in (from_gateway, to_gateway, scheduler):
+            if sock is not None:
+                sock.close()
+    return 0
+
+
+def _serve(stage: TokenizerStage, from_gateway: PullSocket, scheduler: DealerSocket, stop) -> None:
+    while not stop.is_set():
+        busy = False
+        for msg in scheduler.recv_nowait():
+            stage.handle_scheduler(msg)
+            busy = True
+        for _ in range(GATEWAY_BATCH):
+            msg = from_gateway.recv(timeout_ms=0)
+            if msg is None:
+                break
+            stage.handle_gateway(msg)
+            busy = True
+        if not busy:
+            wait_readable([from_gateway, scheduler], POLL_MS)

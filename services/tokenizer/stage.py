@@ -1,0 +1,133 @@
+"""What a tokenizer replica does with each message, apart from sockets and model loading.
+
+Requests from the gateway are tokenized and passed on to the scheduler; token deltas
+from the scheduler are detokenized and passed back to the gateway. The replica keeps
+one Detokenizer per request it forwarded, until that request finishes, fails or is
+aborted; deltas for a request it no longer knows are ignored. A failure while handling
+one request ends that request with a 500 and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.tokenizer.detokenizer import Detokenizer
+from services.tokenizer.prompts import PromptBuilder, PromptError
+from shared.messages import (
+    AbortRequest,
+    FinishRequest,
+    GatewayToTokenizer,
+    GenerateRequest,
+    RequestError,
+    SchedulerToTokenizer,
+    TextDelta,
+    TokenDelta,
+    TokenizedRequest,
+    TokenizerToGateway,
+    TokenizerToScheduler,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Active:
+    detok: Detokenizer
+    num_prompt_tokens: int
+
+
+class TokenizerStage:
+    def __init__(
+        self,
+        tokenizer,
+        prompts: PromptBuilder,
+        eos_token_ids: list[int],
+        to_gateway: Callable[[TokenizerToGateway], None],
+        to_scheduler: Callable[[TokenizerToScheduler], None],
+    ):
+        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.eos_token_ids = eos_token_ids
+        self._to_gateway = to_gateway
+        self._to_scheduler = to_scheduler
+        self.active: dict[str, _Active] = {}
+
+    def handle_gateway(self, msg: GatewayToTokenizer) -> None:
+        self._guarded(msg.request_id, self._on_gateway, msg)
+
+    def handle_scheduler(self, msg: SchedulerToTokenizer) -> None:
+        self._guarded(msg.request_id, self._on_scheduler, msg)
+
+    def _guarded(self, request_id: str, handler, msg) -> None:
+        try:
+            handler(msg)
+        except Exception as exc:
+            log.exception("request %s failed", request_id)
+            self._fail(request_id, 500, f"internal error in the tokenizer: {exc}", "internal_error")
+
+    def _on_gateway(self, msg: GatewayToTokenizer) -> None:
+        if isinstance(msg, AbortRequest):
+            self.active.pop(msg.request_id, None)
+            self._to_scheduler(msg)
+            return
+        self._on_generate(msg)
+
+    def _on_generate(self, req: GenerateRequest) -> None:
+        if req.request_id in self.active:
+            self._to_gateway(RequestError(req.request_id, 400, "duplicate request id", param="request_id"))
+            return
+        try:
+            ids = self.prompts.build(req)
+        except PromptError as exc:
+            self._to_gateway(RequestError(req.request_id, 400, str(exc), param=exc.param))
+            return
+        self.active[req.request_id] = _Active(Detokenizer(self.tokenizer, req.params, ids), len(ids))
+        self._to_scheduler(
+            TokenizedRequest(
+                request_id=req.request_id,
+                prompt_token_ids=ids,
+                params=req.params,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=time.time(),
+            )
+        )
+
+    def _on_scheduler(self, msg: SchedulerToTokenizer) -> None:
+        if isinstance(msg, RequestError):
+            if self.active.pop(msg.request_id, None) is not None:
+                self._to_gateway(msg)
+            return
+        self._on_tokens(msg)
+
+    def _on_tokens(self, delta: TokenDelta) -> None:
+        state = self.active.get(delta.request_id)
+        if state is None:
+            return  # finished by a stop string, aborted, or failed already
+        detok = state.detok
+        finish = delta.finish_reason
+        text = detok.step(delta.token_ids, final=finish is not None)
+        if detok.stopped:
+            if finish is None:
+                self._to_scheduler(FinishRequest(delta.request_id, "stop"))
+            finish = "stop"
+        if finish is not None:
+            del self.active[delta.request_id]
+        # Sent even with no text to show yet: the gateway counts tokens and times them.
+        self._to_gateway(
+            TextDelta(
+                request_id=delta.request_id,
+                text=text,
+                num_prompt_tokens=state.num_prompt_tokens,
+                num_output_tokens=detok.num_output_tokens,
+                finish_reason=finish,
+                token_ids=delta.token_ids,
+            )
+        )
+
+    def _fail(self, request_id: str, status: int, message: str, error_type: str) -> None:
+        if self.active.pop(request_id, None) is not None:
+            self._to_scheduler(AbortRequest(request_id))  # it may be holding KV blocks
+        self._to_gateway(RequestError(request_id, status, message, error_type=error_type))

