@@ -53,7 +53,16 @@ class Metrics:
             "pagedserve_e2e_request_latency_seconds", "Request latency, arrival to last token",
             buckets=E2E_BUCKETS, registry=r,
         )
-        self._preemptions_seen: dict[str, int] = {}
+        self.decode_steps = Counter("pagedserve_decode_steps_total", "Steps that only decoded", registry=r)
+        self.decode_step_seconds = Counter(
+            "pagedserve_decode_step_seconds_total",
+            "Wall time of decode-only steps, from scheduling to results applied", registry=r,
+        )
+        self.decode_forward_seconds = Counter(
+            "pagedserve_decode_forward_seconds_total",
+            "Part of the decode-only steps' wall time spent in the model's forward pass", registry=r,
+        )
+        self._totals_seen: dict[tuple[str, str], float] = {}
 
     def observe_scheduler(self, replica: str, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)
@@ -61,11 +70,18 @@ class Metrics:
         self.blocks_total.set(stats.kv_blocks_total)
         self.blocks_used.set(stats.kv_blocks_used)
         self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
-        # The scheduler reports a running total; a smaller one means it restarted.
-        seen = self._preemptions_seen.get(replica, 0)
-        total = stats.num_preemptions_total
-        self.preemptions.inc(total - seen if total >= seen else total)
-        self._preemptions_seen[replica] = total
+        self._mirror(replica, self.preemptions, stats.num_preemptions_total)
+        self._mirror(replica, self.decode_steps, stats.decode_steps_total)
+        self._mirror(replica, self.decode_step_seconds, stats.decode_step_seconds_total)
+        self._mirror(replica, self.decode_forward_seconds, stats.decode_forward_seconds_total)
+
+    def _mirror(self, replica: str, counter: Counter, total: float) -> None:
+        """Advance a counter to a running total the scheduler reports; a smaller total
+        means the scheduler restarted and counts from zero again."""
+        key = (replica, counter._name)
+        seen = self._totals_seen.get(key, 0)
+        counter.inc(total - seen if total >= seen else total)
+        self._totals_seen[key] = total
 
     def track(self) -> RequestTimer:
         return RequestTimer(self)
