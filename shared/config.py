@@ -35,14 +35,17 @@ class Addresses:
         return cls(**{name: f"ipc://{run_dir}/{name.replace('_', '-')}.ipc" for name in ADDRESS_NAMES})
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Addresses:
-        """The addresses given, the missing ones taken from $PAGEDSERVE_RUN_DIR if set."""
+    def from_args(cls, args: argparse.Namespace, required=ADDRESS_NAMES) -> Addresses:
+        """The addresses given, the missing ones taken from $PAGEDSERVE_RUN_DIR if set.
+
+        A stage names the ones it uses in `required`; the others may stay empty.
+        """
         run_dir = os.environ.get("PAGEDSERVE_RUN_DIR")
         fallback = cls.ipc(run_dir) if run_dir else None
         values = {}
         for name in ADDRESS_NAMES:
             value = getattr(args, name, None) or (fallback and getattr(fallback, name))
-            if not value:
+            if not value and name in required:
                 raise SystemExit(f"--{name.replace('_', '-')} is required (or set PAGEDSERVE_RUN_DIR)")
             values[name] = value
         return cls(**values)

@@ -61,7 +61,7 @@ class Executor:
 
     def run(self) -> int:
         args = self.args
-        addr = Addresses.from_args(args)
+        addr = Addresses.from_args(args, required=("executor_in", "executor_out"))
         if args.threads:
             torch.set_num_threads(args.threads)
         ctx = zmq.Context()
