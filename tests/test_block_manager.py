@@ -1,4 +1,5 @@
-"""Block manager: allocation on demand, copy-on-write, and invariants under random use."""
+"""Block manager: allocation on demand, copy-on-write, prefix caching, and invariants
+under random sequences of operations (hypothesis)."""
 
 from dataclasses import dataclass, field
 
@@ -11,40 +12,59 @@ from services.scheduler.block_manager import BlockManager
 
 @dataclass(eq=False)
 class Seq:
+    tokens: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def token_ids(self, start, stop):
+        return self.tokens[start:stop]
 
 
-def grow(bm: BlockManager, seq: Seq, n: int) -> list[tuple[int, int]]:
-    copies = bm.append_slots(seq, n) if seq.block_table else (bm.allocate(seq, n) or [])
-    seq.num_computed_tokens += n
+def admit(bm: BlockManager, seq: Seq) -> int:
+    """Allocate a new sequence's uncached tokens; returns the cached token count."""
+    cached = bm.num_cached_tokens(seq)
+    bm.allocate(seq, seq.num_tokens - cached)
+    assert seq.num_computed_tokens == cached
+    seq.num_computed_tokens = seq.num_tokens
+    return cached
+
+
+def grow(bm: BlockManager, seq: Seq, new_tokens: list[int]) -> list[tuple[int, int]]:
+    seq.tokens += new_tokens
+    copies = bm.append_slots(seq, len(new_tokens))
+    seq.num_computed_tokens += len(new_tokens)
     return copies
 
 
 def test_allocates_on_demand_at_block_boundaries():
     bm = BlockManager(num_blocks=8, block_size=4)
-    seq = Seq()
-    assert bm.can_allocate(seq, 5)
-    grow(bm, seq, 5)
+    seq = Seq(tokens=list(range(5)))
+    admit(bm, seq)
     assert len(seq.block_table) == 2
-    for _ in range(3):  # tokens 6..8 fill block 2
-        grow(bm, seq, 1)
+    for t in range(3):  # tokens 6..8 fill block 2
+        grow(bm, seq, [t])
     assert len(seq.block_table) == 2
-    grow(bm, seq, 1)
+    grow(bm, seq, [9])
     assert len(seq.block_table) == 3
     assert bm.slot_mapping(seq, 8, 1) == [seq.block_table[2] * 4]
     bm.free(seq)
-    assert bm.num_free_blocks == 8 and seq.block_table == []
+    assert bm.num_free_blocks == 8 and seq.block_table == [] and bm.num_used_blocks == 0
 
 
 def test_can_refuses_what_do_would_not_fit():
-    bm = BlockManager(num_blocks=2, block_size=4)
-    a = Seq()
+    bm = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
+    a = Seq(tokens=list(range(9)))
     assert not bm.can_allocate(a, 9)
     with pytest.raises(RuntimeError):
         bm.allocate(a, 9)
-    grow(bm, a, 8)
+    a.tokens = a.tokens[:8]
+    admit(bm, a)
+    a.tokens.append(1)
     assert not bm.can_append(a, 1)
     with pytest.raises(RuntimeError):
         bm.append_slots(a, 1)
@@ -52,56 +72,129 @@ def test_can_refuses_what_do_would_not_fit():
 
 def test_fork_shares_blocks_and_first_write_copies_the_partial_block():
     bm = BlockManager(num_blocks=8, block_size=4)
-    parent = Seq()
-    grow(bm, parent, 6)  # one full block, one partial
-    child = Seq()
+    parent = Seq(tokens=list(range(6)))  # one full block, one partial
+    admit(bm, parent)
+    child = Seq(tokens=list(parent.tokens))
     bm.fork(parent, child)
-    assert child.block_table == parent.block_table
-    assert bm.num_used_blocks == 2
-    copies = grow(bm, child, 1)
+    assert child.block_table == parent.block_table and bm.num_used_blocks == 2
+    copies = grow(bm, child, [100])
     assert len(copies) == 1
     src, dst = copies[0]
     assert src == parent.block_table[1] and dst == child.block_table[1] and src != dst
     assert child.block_table[0] == parent.block_table[0]  # the full block stays shared
-    assert grow(bm, parent, 1) == []  # the parent now owns its partial block alone
+    assert grow(bm, parent, [200]) == []  # the parent now owns its partial block alone
     bm.check_invariants([parent.block_table, child.block_table])
     bm.free(parent)
     bm.free(child)
-    assert bm.num_free_blocks == 8
+    assert bm.num_used_blocks == 0
+
+
+def test_prefix_cache_reuses_full_blocks_of_matching_prompts_only():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = Seq(tokens=list(range(10)))  # blocks [0-3] [4-7] full, [8-9] partial
+    assert admit(bm, a) == 0
+    b = Seq(tokens=list(range(8)) + [50, 51, 52])
+    assert admit(bm, b) == 8
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    c = Seq(tokens=[0, 1, 2, 99] + list(range(4, 10)))  # differs in the first block
+    assert admit(bm, c) == 0
+    assert bm.prefix_cache_hits == 8 and bm.prefix_cache_queries == 10 + 11 + 10
+    bm.check_invariants([a.block_table, b.block_table, c.block_table])
+
+
+def test_an_exact_repeat_still_computes_its_last_token():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = Seq(tokens=list(range(8)))
+    admit(bm, a)
+    bm.free(a)
+    assert bm.num_cached_blocks == 2
+    again = Seq(tokens=list(range(8)))
+    assert admit(bm, again) == 4  # the second block is recomputed into a fresh block
+
+
+def test_cached_blocks_survive_free_and_are_evicted_least_recently_used():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    old, new = Seq(tokens=[1, 2, 3]), Seq(tokens=[7, 8, 9])
+    admit(bm, old)
+    admit(bm, new)
+    bm.free(old)
+    bm.free(new)
+    assert bm.num_cached_blocks == 2 and bm.num_free_blocks == 4
+    filler = Seq(tokens=[5, 5, 5, 5, 5])  # needs 3 blocks: 2 never used + evict the oldest
+    admit(bm, filler)
+    assert bm.num_cached_tokens(Seq(tokens=[1, 2, 3])) == 0  # the older one was evicted
+    assert bm.num_cached_tokens(Seq(tokens=[7, 8, 0])) == 2
+    bm.check_invariants([filler.block_table])
+
+
+def test_a_hash_collision_is_not_a_hit():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a = Seq(tokens=[1, 2, 3])
+    admit(bm, a)
+    b = Seq(tokens=[4, 5, 6])
+    b.block_hashes.append(a.block_hashes[0])  # forge a colliding hash
+    assert bm.num_cached_tokens(b) == 0
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["new", "grow", "fork", "free"]), st.integers(0, 50), st.integers(1, 20)),
+    st.tuples(st.sampled_from(["new", "grow", "fork", "free", "reset"]), st.integers(0, 50),
+              st.integers(1, 12), st.integers(0, 3)),
     max_size=60,
 )
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops, st.sampled_from([1, 4, 16]), st.integers(4, 40))
-def test_invariants_hold_under_random_operations(operations, block_size, num_blocks):
-    bm = BlockManager(num_blocks, block_size)
+@given(ops, st.sampled_from([1, 2, 4]), st.integers(4, 30), st.booleans())
+def test_invariants_hold_under_random_operations(operations, block_size, num_blocks, caching):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
     seqs: list[Seq] = []
-    for op, pick, n in operations:
+    contents: dict[int, list[int]] = {}  # block -> tokens written into it (by slot)
+    for op, pick, n, alphabet in operations:
         target = seqs[pick % len(seqs)] if seqs else None
-        if op == "new" and bm.can_allocate(s := Seq(), n):
-            bm.allocate(s, n)
-            s.num_computed_tokens = n
-            seqs.append(s)
-        elif op == "grow" and target and bm.can_append(target, n):
-            start = target.num_computed_tokens
-            bm.append_slots(target, n)
-            for slot in bm.slot_mapping(target, start, n):
-                block = slot // block_size
-                assert bm.ref_counts[block] == 1, "a shared block is about to be written"
-            target.num_computed_tokens += n
+        tokens = [(pick * 7 + i) % (alphabet + 1) for i in range(n)]  # small alphabet: many hits
+        if op == "new":
+            s = Seq(tokens=tokens)
+            cached = bm.num_cached_tokens(s)
+            if bm.can_allocate(s, n - cached):
+                bm.allocate(s, n - cached)
+                for i, block in enumerate(s.block_table[: cached // block_size]):
+                    hit = s.tokens[i * block_size : (i + 1) * block_size]
+                    assert contents[block] == hit, "a prefix-cache hit returned other tokens"
+                write(bm, s, cached, n, contents)
+                seqs.append(s)
+        elif op == "grow" and target:
+            target.tokens += tokens
+            if bm.can_append(target, n):
+                start = target.num_computed_tokens
+                bm.append_slots(target, n)
+                write(bm, target, start, start + n, contents)
+            else:
+                del target.tokens[-n:]
         elif op == "fork" and target:
-            child = Seq()
+            child = Seq(tokens=list(target.tokens))
             bm.fork(target, child)
             seqs.append(child)
         elif op == "free" and target:
             bm.free(target)
             seqs.remove(target)
+        elif op == "reset":  # preempt everything and lose the KV memory
+            for s in seqs:
+                bm.free(s)
+            seqs.clear()
+            bm.reset_cache()
         bm.check_invariants([s.block_table for s in seqs])
+        assert bm.num_free_blocks + bm.num_used_blocks == num_blocks
     for s in seqs:
         bm.free(s)
     assert bm.num_free_blocks == num_blocks
+
+
+def write(bm: BlockManager, seq: Seq, start: int, end: int, contents: dict[int, list[int]]) -> None:
+    """What the executor does: write tokens [start, end) into their slots."""
+    for pos, slot in zip(range(start, end), bm.slot_mapping(seq, start, end - start), strict=True):
+        block, offset = divmod(slot, bm.block_size)
+        assert bm.ref_counts[block] == 1, "a shared block is written"
+        row = contents.setdefault(block, [])
+        del row[offset:]
+        row.append(seq.tokens[pos])
+    seq.num_computed_tokens = end

@@ -1,50 +1,178 @@
-"""Physical KV block pool: allocation on demand, reference counts, copy-on-write.
+"""Physical KV block pool: allocation on demand, reference counts, copy-on-write, prefix cache.
 
 Pure bookkeeping over block ids; it knows nothing about models, tensors or sockets.
 Each operation comes as a pair, a side-effect-free "can" and a "do" (`can_allocate`/
-`allocate`, `can_append`/`append_slots`), plus `fork` and `free`. A sequence is
-anything with a `block_table` list and a `num_computed_tokens` count; block i of the
-table holds the KV of token positions [i * block_size, (i + 1) * block_size).
+`allocate`, `can_append`/`append_slots`), plus `fork` and `free`. A sequence is a
+`Request`-like object: a `block_table` (block i holds token positions
+[i * block_size, (i + 1) * block_size)), `num_computed_tokens`, its tokens, and a
+`block_hashes` list this class fills in.
+
+Prefix caching: a block that will be full of computed tokens is registered under a
+chained hash of (parent block's hash, its token ids), with the token ids kept to
+check a hit really matches. When no sequence references it any more it stays in the
+pool as "cached"; a new sequence whose leading blocks hash the same takes them
+instead of computing them. Cached blocks nobody holds are evicted least recently
+used when a block is needed. A block is registered when it is handed out for the
+chunk that fills it: within a step every layer writes its new K/V before attending,
+so another sequence may already read it in that same step.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from typing import Protocol
 
 
 class Sequence(Protocol):
     block_table: list[int]
+    block_hashes: list[int]
     num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def token_ids(self, start: int, stop: int) -> list[int]: ...
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))  # holds nothing worth keeping
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, LRU first
+        self._cached: dict[int, int] = {}  # hash -> block
+        self._block_key: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (hash, tokens)
+        self.prefix_cache_queries = 0  # tokens looked up in the cache
+        self.prefix_cache_hits = 0  # of which found
+
+    # --- counts ---------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can get now: never used, or cached but held by nobody."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks that sequences hold."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Cached blocks no sequence holds (kept for reuse until evicted)."""
+        return len(self._evictable)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+    # --- prefix cache ---------------------------------------------------------------
+
+    def _hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Chained hashes of seq's full blocks within its first num_tokens tokens."""
+        bs, hashes = self.block_size, seq.block_hashes
+        while len(hashes) < num_tokens // bs:
+            i = len(hashes)
+            hashes.append(hash((hashes[-1] if hashes else None, tuple(seq.token_ids(i * bs, (i + 1) * bs)))))
+        return hashes[: num_tokens // bs]
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding seq's leading tokens, always leaving one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, hits = self.block_size, []
+        for i, h in enumerate(self._hashes(seq, seq.num_tokens - 1)):
+            block = self._cached.get(h)
+            if block is None or self._block_key[block][1] != tuple(seq.token_ids(i * bs, (i + 1) * bs)):
+                break
+            hits.append(block)
+        return hits
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of a new sequence that `allocate` will take from the cache."""
+        return len(self._cached_prefix(seq)) * self.block_size
+
+    def _register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Cache the blocks that tokens [start, end) complete."""
+        if not self.enable_prefix_caching:
+            return
+        bs, hashes = self.block_size, self._hashes(seq, end)
+        for i in range(start // bs, len(hashes)):
+            block, h = seq.block_table[i], hashes[i]
+            if block in self._block_key or h in self._cached:
+                continue  # already cached, or the same tokens cached in another block
+            self._cached[h] = block
+            self._block_key[block] = (h, tuple(seq.token_ids(i * bs, (i + 1) * bs)))
+
+    def _uncache(self, block: int) -> None:
+        h, _ = self._block_key.pop(block)
+        del self._cached[h]
+
+    def reset_cache(self) -> None:
+        """Forget every cached block (the KV memory behind them was lost)."""
+        for block in list(self._evictable):
+            self._free.append(block)
+        self._evictable.clear()
+        self._cached.clear()
+        self._block_key.clear()
+
+    # --- taking and releasing blocks ------------------------------------------------
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            self._uncache(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _reuse(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self._evictable[block]
+        self.ref_counts[block] += 1
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if block in self._block_key:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
+    # --- a new sequence -------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Room for a sequence holding no blocks to compute num_new_tokens tokens past
+        its cached prefix (see `num_cached_tokens`)."""
+        if seq.block_table:
+            return False
+        hits = self._cached_prefix(seq)
+        new = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0)  # leave the free count
+        return new + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Take the cached prefix, then blocks for num_new_tokens more tokens; sets
+        seq.num_computed_tokens to the cached length."""
+        if not self.can_allocate(seq, num_new_tokens):
+            raise RuntimeError("allocate without room: call can_allocate first")
+        hits = self._cached_prefix(seq)
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        for block in hits:
+            self._reuse(block)
+        seq.block_table.extend(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
         end = seq.num_computed_tokens + num_new_tokens
-        need = max(0, self.blocks_for(end) - len(seq.block_table))
-        if self._shared_write_block(seq) is not None:
-            need += 1
-        return need
+        seq.block_table.extend(self._take() for _ in range(self.blocks_for(end) - len(hits)))
+        self._register_full_blocks(seq, seq.num_computed_tokens, end)
+
+    # --- a running sequence grows ---------------------------------------------------
 
     def _shared_write_block(self, seq: Sequence) -> int | None:
         """Index in the table of the block the next write lands in, if others share it."""
@@ -53,37 +181,18 @@ class BlockManager:
             return idx
         return None
 
-    def _take(self) -> int:
-        block = self._free.popleft()
-        self.ref_counts[block] = 1
-        return block
-
-    def _release(self, block: int) -> None:
-        self.ref_counts[block] -= 1
-        if self.ref_counts[block] == 0:
-            self._free.append(block)
-
-    # --- a new sequence -------------------------------------------------------------
-
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return not seq.block_table and self.blocks_for(num_new_tokens) <= self.num_free_blocks
-
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Blocks for the first num_new_tokens tokens of a sequence that holds none."""
-        if not self.can_allocate(seq, num_new_tokens):
-            raise RuntimeError("allocate without room: call can_allocate first")
-        seq.block_table.extend(self._take() for _ in range(self.blocks_for(num_new_tokens)))
-
-    # --- a running sequence grows ---------------------------------------------------
-
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self._blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+        end = seq.num_computed_tokens + num_new_tokens
+        need = max(0, self.blocks_for(end) - len(seq.block_table))
+        if self._shared_write_block(seq) is not None:
+            need += 1
+        return need <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make room for num_new_tokens more tokens; returns (src, dst) block copies.
 
         A block shared with another sequence is never written: the first write into
-        it gets a private copy (copy-on-write), which the executor must perform first.
+        it gets a private copy (copy-on-write), which the executor performs first.
         """
         if not self.can_append(seq, num_new_tokens):
             raise RuntimeError("append_slots without room: call can_append first")
@@ -98,12 +207,13 @@ class BlockManager:
         end = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) < self.blocks_for(end):
             seq.block_table.append(self._take())
+        self._register_full_blocks(seq, seq.num_computed_tokens, end)
         return copies
 
     # --- sharing and release --------------------------------------------------------
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child shares every block of the parent (for parallel sampling, beams)."""
+        """The child shares every block of the parent (parallel sampling, beams)."""
         if child.block_table:
             raise RuntimeError("fork into a sequence that already holds blocks")
         for block in parent.block_table:
@@ -112,6 +222,8 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
+        # Tail blocks first: they are the least likely to be shared prefixes, so LRU
+        # eviction takes them before the heads of the same sequence.
         for block in reversed(seq.block_table):
             self._release(block)
         seq.block_table.clear()
@@ -125,9 +237,14 @@ class BlockManager:
     def check_invariants(self, tables: Iterable[list[int]]) -> None:
         """Raise AssertionError unless the pool is consistent with these block tables."""
         refs = Counter(b for table in tables for b in table)
-        free = set(self._free)
+        free, evictable = set(self._free), set(self._evictable)
         assert len(free) == len(self._free), "a block is on the free list twice"
+        assert not free & evictable, "a block is both free and cached-evictable"
         for block in range(self.num_blocks):
             assert self.ref_counts[block] == refs.get(block, 0), f"ref count of block {block}"
-            assert (block in free) == (self.ref_counts[block] == 0), f"block {block} free/used"
-        assert len(free) + sum(1 for r in self.ref_counts if r > 0) == self.num_blocks
+            unheld = block in free or block in evictable
+            assert unheld == (self.ref_counts[block] == 0), f"block {block} free/used"
+        assert all(b in self._block_key for b in evictable), "an evictable block is not cached"
+        assert not any(b in self._block_key for b in free), "a free-list block is still cached"
+        assert {b: h for h, b in self._cached.items()} == {b: k[0] for b, k in self._block_key.items()}
+        assert len(free) + len(evictable) + sum(1 for r in self.ref_counts if r > 0) == self.num_blocks

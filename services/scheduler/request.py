@@ -28,6 +28,7 @@ class Request:
     reply_to: bytes = b""  # the tokenizer replica that owns this request's text
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks, for the prefix cache
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

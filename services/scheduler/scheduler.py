@@ -140,11 +140,11 @@ class Scheduler:
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_uncomputed_tokens, budget)
+            n = min(req.num_tokens - self.blocks.num_cached_tokens(req), budget)
             if not self.blocks.can_allocate(req, n):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(req, n)
+            self.blocks.allocate(req, n)  # takes the cached prefix: num_computed_tokens moves
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n))
