@@ -22,6 +22,7 @@ class SamplingParams(Struct, frozen=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    n: int = 1  # parallel samples: sequences that share the prompt's KV blocks
 
 
 class ChatMessage(Struct, frozen=True):
@@ -90,10 +91,12 @@ class TokenizedRequest(Struct, tag=True):
 
 
 class FinishRequest(Struct, tag=True):
-    """The detokenizer found a stop string: end the request as finished, not aborted."""
+    """The detokenizer found a stop string: end the sequence as finished, not aborted
+    (only the sample seq_index when set, else every sequence of the request)."""
 
     request_id: str
     reason: str = "stop"
+    seq_index: int | None = None
 
 
 TokenizerToScheduler = TokenizedRequest | FinishRequest | AbortRequest
@@ -103,12 +106,14 @@ TokenizerToScheduler = TokenizedRequest | FinishRequest | AbortRequest
 
 
 class TokenDelta(Struct, tag=True):
-    """Tokens a request generated in one step; finish_reason set on its last one."""
+    """Tokens one sequence of a request generated in one step; finish_reason set on its
+    last one. seq_index tells the request's parallel samples (n > 1) apart."""
 
     request_id: str
     token_ids: list[int]
     num_prompt_tokens: int
     finish_reason: str | None = None
+    seq_index: int = 0
 
 
 SchedulerToTokenizer = TokenDelta | RequestError
@@ -191,6 +196,10 @@ class SchedulerStats(Struct):
     kv_blocks_used: int = 0
     num_preemptions_total: int = 0
     num_steps_total: int = 0
+    kv_blocks_cached: int = 0  # cached blocks no request holds
+    kv_blocks_saved_by_sharing: int = 0  # block-table entries minus blocks held
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up
+    prefix_cache_hits_total: int = 0  # of which found cached
     # decode-only steps: wall time from scheduling to results applied, and the part of it
     # the executor spent in the model's forward pass
     decode_steps_total: int = 0

@@ -15,29 +15,52 @@ def make(rid, prompt_len, max_tokens, **params):
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), frozenset({EOS}), 0.0)
 
 
-def run_until_done(sched: Scheduler, max_steps=10_000, on_step=None):
-    outputs: dict[str, list[int]] = {}
-    finish: dict[str, str] = {}
-    history: dict[str, list[int]] = {}  # what the fake model has seen, per request
+class FakeExecutor:
+    """A model stand-in that reads tokens back through the slots it is given, so a wrong
+    block table, slot mapping or missing block copy shows up as a wrong output."""
+
+    def __init__(self, block_size: int):
+        self.bs = block_size
+        self.pool: dict[int, int] = {}  # slot -> token whose KV it holds
+
+    def execute(self, step) -> list[int]:
+        bs = self.bs
+        for src, dst in step.block_copies:
+            for off in range(bs):
+                if src * bs + off in self.pool:
+                    self.pool[dst * bs + off] = self.pool[src * bs + off]
+        sampled = []
+        for seq in step.seqs:
+            assert len(seq.slot_mapping) == len(seq.token_ids)
+            for slot, tok in zip(seq.slot_mapping, seq.token_ids, strict=True):
+                self.pool[slot] = tok
+            end = seq.start_pos + len(seq.token_ids)
+            seen = [self.pool[seq.block_table[p // bs] * bs + p % bs] for p in range(end)]
+            sampled.append(next_token_from(seen) if seq.sample else -1)
+        return sampled
+
+
+def run_until_done(sched: Scheduler, max_steps=10_000, on_step=None, executor=None, until=None):
+    """Run steps until nothing is left (or `until(sched)`); outputs are keyed by request
+    id, or (id, seq_index) for n > 1."""
+    executor = executor or FakeExecutor(sched.blocks.block_size)
+    outputs: dict = {}
+    finish: dict = {}
     for _ in range(max_steps):
+        if until and until(sched):
+            break
         scheduled = sched.schedule()
         if scheduled is None:
             break
         step, chunks = scheduled
-        sampled = []
-        for seq in step.seqs:
-            seen = history.setdefault(seq.request_id, [])
-            del seen[seq.start_pos:]  # a recompute starts over
-            seen.extend(seq.token_ids)
-            assert len(seq.slot_mapping) == len(seq.token_ids)
-            sampled.append(next_token_from(seen) if seq.sample else -1)
-        for req, delta in sched.process_results(chunks, sampled):
-            outputs.setdefault(req.request_id, []).extend(delta.token_ids)
+        for req, delta in sched.process_results(chunks, executor.execute(step)):
+            key = req.request_id if req.params.n == 1 else (req.request_id, delta.seq_index)
+            outputs.setdefault(key, []).extend(delta.token_ids)
             if delta.finish_reason:
-                finish[req.request_id] = delta.finish_reason
+                finish[key] = delta.finish_reason
         sched.check_invariants()
         if on_step:
-            on_step(sched)
+            on_step(sched, step)
     return outputs, finish
 
 
@@ -61,7 +84,7 @@ def test_continuous_batching_finishes_everything_and_frees_all_blocks():
     for r in reqs:
         sched.add_request(r)
     max_running = []
-    outputs, finish = run_until_done(sched, on_step=lambda s: max_running.append(len(s.running)))
+    outputs, finish = run_until_done(sched, on_step=lambda s, _: max_running.append(len(s.running)))
     assert max(max_running) == 4
     for r in reqs:
         assert outputs[r.request_id] == reference_output(r.prompt_token_ids, r.params.max_tokens)
@@ -131,3 +154,52 @@ def test_requests_that_can_never_fit_are_refused():
     assert "context length" in sched.check_fits(make("x", 90, 20))
     assert "KV blocks" in sched.check_fits(make("y", 10, 10))
     assert sched.check_fits(make("z", 8, 8)) is None
+
+
+def test_parallel_samples_share_the_prompt_and_copy_the_partial_block_on_write():
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4))
+    sched.add_request(make("par", 10, 6, n=3))  # blocks [4][4][2 + room]: the last one is shared
+    used, copies = [], []
+
+    def watch(s, step):
+        used.append(s.blocks.num_used_blocks)
+        copies.extend(step.block_copies)
+
+    outputs, finish = run_until_done(sched, on_step=watch)
+    want = reference_output(make("par", 10, 6).prompt_token_ids, 6)
+    assert outputs == {("par", i): want for i in range(3)}
+    assert len(finish) == 3 and set(finish.values()) == {"length"}
+    assert len(copies) == 2  # two of the three samples copy the shared partial block
+    assert max(used) < 3 * 4  # three unshared sequences of 16 tokens would hold 12 blocks
+    assert sched.blocks.num_used_blocks == 0 and not sched.requests
+
+
+def test_stopping_one_sample_leaves_the_others_running():
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4))
+    sched.add_request(make("par", 6, 4, n=2))
+    executor = FakeExecutor(4)
+    run_until_done(sched, executor=executor, until=lambda s: any(r.num_output_tokens for r in s.running))
+    sched.finish_request("par", "stop", seq_index=1)
+    assert [r.seq_index for r in sched.requests["par"] if not r.is_finished] == [0]
+    sched.check_invariants()
+    outputs, finish = run_until_done(sched, executor=executor)
+    assert finish == {("par", 0): "length"}
+    assert not sched.requests and sched.blocks.num_used_blocks == 0
+
+
+def test_prefix_cache_skips_computed_blocks_and_keeps_outputs():
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4))
+    first = make("first", 21, 5)
+    sched.add_request(first)
+    executor = FakeExecutor(4)
+    expected, _ = run_until_done(sched, executor=executor)
+    assert sched.blocks.num_cached_blocks > 0
+    again = make("first", 21, 5)
+    again.request_id = "again"
+    sched.add_request(again)
+    sizes = []
+    got, _ = run_until_done(sched, executor=executor,
+                            on_step=lambda s, step: sizes.append(len(step.seqs[0].token_ids)))
+    assert sizes[0] == 1  # 20 prompt tokens were cached: only the last one is computed
+    assert got["again"] == expected["first"]
+    assert sched.blocks.prefix_cache_hits == 20

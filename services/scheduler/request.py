@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import msgspec
+
 from shared.messages import SamplingParams, SeqSampling
 
 
@@ -33,6 +35,23 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    seq_index: int = 0  # which of the request's n parallel samples this sequence is
+    pending_forks: int = 0  # samples still to fork from this sequence once its prompt is in
+
+    @property
+    def fork_at(self) -> int:
+        """Tokens computed before forking: all but the last prompt token, so every sample
+        computes that token itself (and copies the shared partial block on write)."""
+        return self.num_prompt_tokens - 1
+
+    def spawn(self, seq_index: int) -> Request:
+        """A sibling sample: same prompt, its own seed, no blocks (fork shares them)."""
+        seed = None if self.params.seed is None else self.params.seed + seq_index
+        return Request(
+            self.request_id, self.prompt_token_ids, msgspec.structs.replace(self.params, seed=seed),
+            self.eos_token_ids, self.arrival_time, reply_to=self.reply_to,
+            block_hashes=list(self.block_hashes), seq_index=seq_index,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -45,7 +45,7 @@ class Scheduler:
         self.blocks = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, list[Request]] = {}  # request id -> its live sequences
         self.num_preemptions_total = 0
         self.num_steps_total = 0
         self.decode_steps_total = 0
@@ -73,25 +73,40 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        self.requests[req.request_id] = req
+        self.requests[req.request_id] = [req]
         self.waiting.append(req)
+        if req.params.n > 1:
+            if req.fork_at > 0:
+                req.pending_forks = req.params.n - 1
+            else:  # nothing to share: the samples start out on their own
+                for i in range(1, req.params.n):
+                    sibling = req.spawn(i)
+                    self.requests[req.request_id].append(sibling)
+                    self.waiting.append(sibling)
 
-    def finish_request(self, request_id: str, reason: str) -> Request | None:
-        """End a request now (abort, stop string); frees its blocks. None if unknown."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
+    def finish_request(self, request_id: str, reason: str, seq_index: int | None = None) -> Request | None:
+        """End a request's sequences now (abort, stop string), or only one of them;
+        frees their blocks. Returns a sequence of it, or None if it is unknown."""
+        group = self.requests.get(request_id)
+        if group is None:
             return None
-        if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req.status is RequestStatus.WAITING:
-            self.waiting.remove(req)
-        self._finish(req, reason)
-        return req
+        ended = [r for r in group if seq_index is None or r.seq_index == seq_index]
+        for req in ended:
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+            elif req.status is RequestStatus.WAITING:
+                self.waiting.remove(req)
+            self._finish(req, reason)
+        return ended[0] if ended else group[0]
 
     def _finish(self, req: Request, reason: str) -> None:
         self.blocks.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        req.pending_forks = 0
+        group = self.requests.get(req.request_id)
+        if group is not None and all(r.is_finished for r in group):
+            del self.requests[req.request_id]
 
     def _preempt(self, req: Request) -> None:
         self.blocks.free(req)
@@ -107,6 +122,17 @@ class Scheduler:
         for req in reversed(self.running):
             self._preempt(req)
         self.running.clear()
+        self.blocks.reset_cache()
+
+    def _fork(self, parent: Request) -> None:
+        """Parallel samples share every block the parent has computed so far."""
+        for i in range(parent.params.n - parent.pending_forks, parent.params.n):
+            child = parent.spawn(i)
+            self.blocks.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.requests[parent.request_id].append(child)
+            self.running.append(child)
+        parent.pending_forks = 0
 
     # --- one step --------------------------------------------------------------------
 
@@ -123,7 +149,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_uncomputed_tokens, budget)
+            n = self._chunk_size(req, req.num_computed_tokens, budget)
             while not self.blocks.can_append(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -140,13 +166,16 @@ class Scheduler:
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - self.blocks.num_cached_tokens(req), budget)
+            n = self._chunk_size(req, self.blocks.num_cached_tokens(req), budget)
             if not self.blocks.can_allocate(req, n):
                 break
             self.waiting.popleft()
             self.blocks.allocate(req, n)  # takes the cached prefix: num_computed_tokens moves
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if n == 0:  # the cache already holds everything before the fork point
+                self._fork(req)
+                continue
             chunks.append(ScheduledChunk(req, n))
             budget -= n
 
@@ -155,6 +184,14 @@ class Scheduler:
         step = ExecuteStep(step_id=self._next_step_id, seqs=[self._seq(c) for c in chunks], block_copies=copies)
         self._next_step_id += 1
         return step, chunks
+
+    @staticmethod
+    def _chunk_size(req: Request, computed: int, budget: int) -> int:
+        """Tokens to compute this step; a sequence about to fork stops at its fork point."""
+        n = min(req.num_tokens - computed, budget)
+        if req.pending_forks:
+            n = min(n, req.fork_at - computed)
+        return n
 
     def _seq(self, chunk: ScheduledChunk) -> ScheduledSeq:
         req, start = chunk.request, chunk.request.num_computed_tokens
@@ -179,15 +216,16 @@ class Scheduler:
                 continue  # aborted, finished or preempted while the step ran
             samples = chunk.samples
             req.num_computed_tokens += chunk.num_tokens
+            if req.pending_forks and req.num_computed_tokens == req.fork_at:
+                self._fork(req)
             if not samples:
                 continue
             req.output_token_ids.append(token)
             reason = req.stop_reason(self.config.max_model_len)
             if reason is not None:
                 self.running.remove(req)
-                del self.requests[req.request_id]
                 self._finish(req, reason)
-            out.append((req, TokenDelta(req.request_id, [token], req.num_prompt_tokens, reason)))
+            out.append((req, TokenDelta(req.request_id, [token], req.num_prompt_tokens, reason, req.seq_index)))
         return out
 
     def stats(self) -> SchedulerStats:
@@ -198,6 +236,10 @@ class Scheduler:
             kv_blocks_used=self.blocks.num_used_blocks,
             num_preemptions_total=self.num_preemptions_total,
             num_steps_total=self.num_steps_total,
+            kv_blocks_cached=self.blocks.num_cached_blocks,
+            kv_blocks_saved_by_sharing=sum(len(r.block_table) for r in self.running) - self.blocks.num_used_blocks,
+            prefix_cache_queries_total=self.blocks.prefix_cache_queries,
+            prefix_cache_hits_total=self.blocks.prefix_cache_hits,
             decode_steps_total=self.decode_steps_total,
             decode_step_seconds_total=self.decode_step_seconds_total,
             decode_forward_seconds_total=self.decode_forward_seconds_total,
@@ -210,7 +252,9 @@ class Scheduler:
             self.decode_forward_seconds_total += forward_s
 
     def check_invariants(self) -> None:
-        self.blocks.check_invariants(r.block_table for r in self.requests.values())
+        live = [r for group in self.requests.values() for r in group if not r.is_finished]
+        self.blocks.check_invariants(r.block_table for r in live)
         for r in self.waiting:
             assert not r.block_table and r.num_computed_tokens == 0
-        assert set(self.running) | set(self.waiting) == set(self.requests.values())
+        assert set(self.running) | set(self.waiting) == set(live)
+        assert len(self.running) + len(self.waiting) == len(live)

@@ -128,7 +128,8 @@ class SchedulerService:
     def on_end(self, msg: AbortRequest | FinishRequest) -> None:
         """Aborts may come through any tokenizer replica, so the owner is told too."""
         reason = "abort" if isinstance(msg, AbortRequest) else msg.reason
-        req = self.scheduler.finish_request(msg.request_id, reason) if self.scheduler else None
+        seq_index = msg.seq_index if isinstance(msg, FinishRequest) else None
+        req = self.scheduler.finish_request(msg.request_id, reason, seq_index) if self.scheduler else None
         if req is not None:
             owner, n_prompt = req.reply_to, req.num_prompt_tokens
         else:
