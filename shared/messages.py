@@ -152,7 +152,9 @@ class ScheduledSeq(Struct):
 class ExecuteStep(Struct, tag=True):
     step_id: int
     seqs: list[ScheduledSeq]
-    block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write copies first
+    block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write copies
+    swap_out: list[tuple[int, int]] = []  # (device block, host block), done first
+    swap_in: list[tuple[int, int]] = []  # (host block, device block), after swap_out
 
 
 SchedulerToExecutor = ExecuteStep
@@ -168,6 +170,7 @@ class ExecutorReady(Struct, tag=True):
     num_kv_blocks: int
     block_size: int
     max_model_len: int
+    num_swap_blocks: int = 0  # host-memory blocks for swapped-out sequences
 
 
 class StepResult(Struct, tag=True):
@@ -200,6 +203,8 @@ class SchedulerStats(Struct):
     kv_blocks_saved_by_sharing: int = 0  # block-table entries minus blocks held
     prefix_cache_queries_total: int = 0  # prompt tokens looked up
     prefix_cache_hits_total: int = 0  # of which found cached
+    num_swapped_out_total: int = 0  # preemptions that moved KV to host memory
+    num_swapped_in_total: int = 0
     # decode-only steps: wall time from scheduling to results applied, and the part of it
     # the executor spent in the model's forward pass
     decode_steps_total: int = 0

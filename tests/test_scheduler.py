@@ -5,6 +5,7 @@ import random
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.swap_space import SwapSpace
 from shared.messages import SamplingParams
 
 EOS = 2
@@ -22,9 +23,17 @@ class FakeExecutor:
     def __init__(self, block_size: int):
         self.bs = block_size
         self.pool: dict[int, int] = {}  # slot -> token whose KV it holds
+        self.host: dict[int, int] = {}  # host swap slot -> token
 
     def execute(self, step) -> list[int]:
         bs = self.bs
+        for pairs, src_pool, dst_pool in ((step.swap_out, self.pool, self.host),
+                                          (step.swap_in, self.host, self.pool)):
+            for src, dst in pairs:
+                for off in range(bs):
+                    dst_pool.pop(dst * bs + off, None)
+                    if src * bs + off in src_pool:
+                        dst_pool[dst * bs + off] = src_pool[src * bs + off]
         for src, dst in step.block_copies:
             for off in range(bs):
                 if src * bs + off in self.pool:
@@ -117,6 +126,20 @@ def test_preemption_recomputes_and_gives_the_same_outputs():
     assert small.num_preemptions_total > 0
     assert got == expected and set(finish.values()) == {"length"}
     assert small.blocks.num_free_blocks == 12
+
+
+def test_swap_mode_moves_kv_to_host_and_back_with_the_same_outputs():
+    big = Scheduler(SchedulerConfig(), BlockManager(1000, 4))
+    small = Scheduler(SchedulerConfig(preemption_mode="swap"), BlockManager(12, 4, enable_prefix_caching=False),
+                      SwapSpace(40))
+    for sched in (big, small):
+        for i in range(4):
+            sched.add_request(make(f"s{i}", 8, 12))
+    expected, _ = run_until_done(big)
+    got, finish = run_until_done(small)
+    assert small.num_swapped_out_total > 0 and small.num_swapped_in_total == small.num_swapped_out_total
+    assert got == expected and set(finish.values()) == {"length"}
+    assert small.swap.num_free_blocks == 40 and small.blocks.num_used_blocks == 0
 
 
 def test_stop_conditions():

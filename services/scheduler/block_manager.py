@@ -172,6 +172,21 @@ class BlockManager:
         seq.block_table.extend(self._take() for _ in range(self.blocks_for(end) - len(hits)))
         self._register_full_blocks(seq, seq.num_computed_tokens, end)
 
+    # --- a swapped-out sequence comes back -----------------------------------------
+
+    def can_restore(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return not seq.block_table and self.blocks_for(seq.num_computed_tokens + num_new_tokens) <= self.num_free_blocks
+
+    def restore(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Fresh blocks for a sequence whose computed KV comes back from swap space,
+        plus room for num_new_tokens; returns the blocks the swapped KV goes into."""
+        if not self.can_restore(seq, num_new_tokens):
+            raise RuntimeError("restore without room: call can_restore first")
+        end = seq.num_computed_tokens + num_new_tokens
+        seq.block_table.extend(self._take() for _ in range(self.blocks_for(end)))
+        self._register_full_blocks(seq, seq.num_computed_tokens, end)
+        return seq.block_table[: self.blocks_for(seq.num_computed_tokens)]
+
     # --- a running sequence grows ---------------------------------------------------
 
     def _shared_write_block(self, seq: Sequence) -> int | None:

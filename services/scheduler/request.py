@@ -31,6 +31,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, for the prefix cache
+    swapped_blocks: list[int] = field(default_factory=list)  # host blocks while swapped out
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

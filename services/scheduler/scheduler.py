@@ -4,7 +4,9 @@ Every step: running requests first (each needs its next token, or the next chunk
 of its prompt), then waiting requests in arrival order while the token budget, the
 running-request cap and free blocks allow. When blocks run out, the newest running
 request is preempted: its blocks are freed and it is recomputed later (prompt and
-generated tokens together), so a request that fits the pool alone always finishes.
+generated tokens together), or, in swap mode while host swap space lasts, its KV is
+copied to host memory and back when it resumes. A request that fits the pool alone
+always finishes.
 Pure logic: it builds the step message but never touches a socket.
 """
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.swap_space import SwapSpace
 from shared.messages import ExecuteStep, ScheduledSeq, SchedulerStats, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -26,6 +29,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    preemption_mode: str = "recompute"  # or "swap"
 
 
 @dataclass(frozen=True)
@@ -40,9 +44,12 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, swap: SwapSpace | None = None):
         self.config = config
         self.blocks = block_manager
+        self.swap = swap if config.preemption_mode == "swap" else None
+        self.num_swapped_out_total = 0
+        self.num_swapped_in_total = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, list[Request]] = {}  # request id -> its live sequences
@@ -101,6 +108,8 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str) -> None:
         self.blocks.free(req)
+        if self.swap is not None:
+            self.swap.free(req.swapped_blocks)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.pending_forks = 0
@@ -108,20 +117,32 @@ class Scheduler:
         if group is not None and all(r.is_finished for r in group):
             del self.requests[req.request_id]
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, swap_out: list[tuple[int, int]] | None = None) -> None:
+        """Free a running request's blocks; swap its KV out if swap_out collects copies
+        and there is room, else it is recomputed later."""
+        if swap_out is not None and self.swap is not None and self.swap.can_swap_out(len(req.block_table)):
+            pairs = self.swap.swap_out(req.block_table)
+            swap_out.extend(pairs)
+            req.swapped_blocks = [host for _, host in pairs]
+            self.num_swapped_out_total += 1
+        else:
+            req.num_computed_tokens = 0
         self.blocks.free(req)
-        req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
-        log.info("preempted %s (recompute %d tokens later)", req.request_id, req.num_tokens)
+        log.info("preempted %s (%s)", req.request_id, "swapped out" if req.swapped_blocks else "recompute later")
 
     def preempt_all(self) -> None:
-        """Every running request loses its KV (e.g. the executor restarted)."""
+        """Every request loses its KV, swapped or not (e.g. the executor restarted)."""
         for req in reversed(self.running):
             self._preempt(req)
         self.running.clear()
+        for req in self.waiting:
+            if req.swapped_blocks:
+                self.swap.free(req.swapped_blocks)
+                req.num_computed_tokens = 0
         self.blocks.reset_cache()
 
     def _fork(self, parent: Request) -> None:
@@ -144,7 +165,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         copies: list[tuple[int, int]] = []
-        preempted = False
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        preempted = False  # then nothing is admitted, so no step both swaps out and in
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -152,7 +175,7 @@ class Scheduler:
             n = self._chunk_size(req, req.num_computed_tokens, budget)
             while not self.blocks.can_append(req, n):
                 victim = self.running.pop()
-                self._preempt(victim)
+                self._preempt(victim, swap_out)
                 preempted = True
                 if victim is req:
                     break
@@ -166,11 +189,19 @@ class Scheduler:
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = self._chunk_size(req, self.blocks.num_cached_tokens(req), budget)
-            if not self.blocks.can_allocate(req, n):
-                break
+            if req.swapped_blocks:
+                n = self._chunk_size(req, req.num_computed_tokens, budget)
+                if not self.blocks.can_restore(req, n):
+                    break
+                swap_in.extend(zip(req.swapped_blocks, self.blocks.restore(req, n), strict=True))
+                self.swap.free(req.swapped_blocks)
+                self.num_swapped_in_total += 1
+            else:
+                n = self._chunk_size(req, self.blocks.num_cached_tokens(req), budget)
+                if not self.blocks.can_allocate(req, n):
+                    break
+                self.blocks.allocate(req, n)  # takes the cached prefix: num_computed_tokens moves
             self.waiting.popleft()
-            self.blocks.allocate(req, n)  # takes the cached prefix: num_computed_tokens moves
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if n == 0:  # the cache already holds everything before the fork point
@@ -179,9 +210,10 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, n))
             budget -= n
 
-        if not chunks:
+        if not chunks and not swap_out:
             return None
-        step = ExecuteStep(step_id=self._next_step_id, seqs=[self._seq(c) for c in chunks], block_copies=copies)
+        step = ExecuteStep(step_id=self._next_step_id, seqs=[self._seq(c) for c in chunks], block_copies=copies,
+                           swap_out=swap_out, swap_in=swap_in)
         self._next_step_id += 1
         return step, chunks
 
@@ -240,13 +272,15 @@ class Scheduler:
             kv_blocks_saved_by_sharing=sum(len(r.block_table) for r in self.running) - self.blocks.num_used_blocks,
             prefix_cache_queries_total=self.blocks.prefix_cache_queries,
             prefix_cache_hits_total=self.blocks.prefix_cache_hits,
+            num_swapped_out_total=self.num_swapped_out_total,
+            num_swapped_in_total=self.num_swapped_in_total,
             decode_steps_total=self.decode_steps_total,
             decode_step_seconds_total=self.decode_step_seconds_total,
             decode_forward_seconds_total=self.decode_forward_seconds_total,
         )
 
     def record_step_time(self, chunks: list[ScheduledChunk], wall_s: float, forward_s: float) -> None:
-        if all(c.num_tokens == 1 for c in chunks):
+        if chunks and all(c.num_tokens == 1 for c in chunks):
             self.decode_steps_total += 1
             self.decode_step_seconds_total += wall_s
             self.decode_forward_seconds_total += forward_s
@@ -255,6 +289,8 @@ class Scheduler:
         live = [r for group in self.requests.values() for r in group if not r.is_finished]
         self.blocks.check_invariants(r.block_table for r in live)
         for r in self.waiting:
-            assert not r.block_table and r.num_computed_tokens == 0
+            assert not r.block_table and (r.num_computed_tokens == 0 or r.swapped_blocks)
+        if self.swap is not None:
+            self.swap.check_invariants([r.swapped_blocks for r in live])
         assert set(self.running) | set(self.waiting) == set(live)
         assert len(self.running) + len(self.waiting) == len(live)

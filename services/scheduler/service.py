@@ -20,6 +20,7 @@ import zmq
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request
 from services.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from services.scheduler.swap_space import SwapSpace
 from shared.config import Addresses, add_address_args, add_log_args
 from shared.heartbeat import HeartbeatThread
 from shared.messages import (
@@ -45,6 +46,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="max running requests")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     parser.add_argument("--max-model-len", type=int, default=None, help="cap below the model's own")
+    parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
+                        help="swap needs host swap space on the executor (--swap-space)")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="do not reuse cached KV blocks of identical prompt prefixes")
     add_address_args(parser, required=False)
     add_log_args(parser)
 
@@ -75,8 +80,12 @@ class SchedulerService:
     def on_executor_ready(self, msg: ExecutorReady) -> None:
         if self.scheduler is None:
             max_len = min(msg.max_model_len, self.args.max_model_len or msg.max_model_len)
-            config = SchedulerConfig(self.args.max_num_seqs, self.args.max_num_batched_tokens, max_len)
-            self.scheduler = Scheduler(config, BlockManager(msg.num_kv_blocks, msg.block_size))
+            config = SchedulerConfig(self.args.max_num_seqs, self.args.max_num_batched_tokens, max_len,
+                                     self.args.preemption_mode)
+            if config.preemption_mode == "swap" and not msg.num_swap_blocks:
+                log.warning("--preemption-mode swap without executor swap space: preempted requests recompute")
+            blocks = BlockManager(msg.num_kv_blocks, msg.block_size, self.args.prefix_caching)
+            self.scheduler = Scheduler(config, blocks, SwapSpace(msg.num_swap_blocks))
             log.info("executor %s ready: %d blocks of %d tokens", msg.executor_id, msg.num_kv_blocks, msg.block_size)
             for peer, req in self.pending:
                 self.on_request(peer, req)
