@@ -40,6 +40,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    parser.add_argument("--swap-space", type=int, default=None, help="bytes of host memory for swapped KV")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     parser.add_argument("--tokenizer-replicas", type=int, default=1)
     parser.add_argument("--executor-threads", type=int, default=None, help="torch threads in the executor")
     parser.add_argument("--request-timeout", type=float, default=600.0)
@@ -61,9 +64,12 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses) -> dict[str, 
         executor += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if args.executor_threads is not None:
         executor += ["--threads", str(args.executor_threads)]
+    if args.swap_space is not None:
+        executor += ["--swap-space", str(args.swap_space)]
     scheduler = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.max_model_len is not None:
         scheduler += ["--max-model-len", str(args.max_model_len)]
+    scheduler += ["--preemption-mode", args.preemption_mode] + ([] if args.prefix_caching else ["--no-prefix-caching"])
     gateway = model + ["--host", args.host, "--port", str(args.port), "--served-model-name", served,
                        "--request-timeout", str(args.request_timeout)]
 
