@@ -23,6 +23,9 @@ class SamplingParams(Struct, frozen=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     n: int = 1  # parallel samples: sequences that share the prompt's KV blocks
+    use_beam_search: bool = False  # then n best of beam_width beams, greedy and deterministic
+    beam_width: int = 4
+    length_penalty: float = 1.0
 
 
 class ChatMessage(Struct, frozen=True):
@@ -76,7 +79,15 @@ class RequestError(Struct, tag=True):
     param: str | None = None
 
 
-TokenizerToGateway = TextDelta | RequestError
+class RequestAccepted(Struct, tag=True):
+    """A tokenizer replica took a request: if that replica dies, the gateway retries it."""
+
+    request_id: str
+    replica: str
+    instance: str  # the replica process's instance id, as in its heartbeats
+
+
+TokenizerToGateway = TextDelta | RequestError | RequestAccepted
 
 
 # --- tokenizer -> scheduler -----------------------------------------------------------
@@ -147,6 +158,7 @@ class ScheduledSeq(Struct):
     sample: bool
     output_index: int
     sampling: SeqSampling
+    num_logprobs: int = 0  # also return this many top (token, logprob) candidates (beams)
 
 
 class ExecuteStep(Struct, tag=True):
@@ -157,7 +169,13 @@ class ExecuteStep(Struct, tag=True):
     swap_in: list[tuple[int, int]] = []  # (host block, device block), after swap_out
 
 
-SchedulerToExecutor = ExecuteStep
+class SchedulerHello(Struct, tag=True):
+    """A scheduler (re)started without a pool: the executor answers with ExecutorReady."""
+
+    instance: str
+
+
+SchedulerToExecutor = ExecuteStep | SchedulerHello
 
 
 # --- executor -> scheduler ------------------------------------------------------------
@@ -171,6 +189,9 @@ class ExecutorReady(Struct, tag=True):
     block_size: int
     max_model_len: int
     num_swap_blocks: int = 0  # host-memory blocks for swapped-out sequences
+    # the executor process's instance id: a repeat from the same instance (an answer to a
+    # SchedulerHello) is not a restart
+    instance: str = ""
 
 
 class StepResult(Struct, tag=True):
@@ -179,6 +200,8 @@ class StepResult(Struct, tag=True):
     step_id: int
     sampled: list[int]
     forward_s: float
+    # top candidates of the seqs that asked (num_logprobs > 0), in step order, best first
+    top_logprobs: list[list[tuple[int, float]]] = []
 
 
 class StepFailed(Struct, tag=True):
@@ -219,6 +242,7 @@ class Heartbeat(Struct, tag=True):
     state: str  # "ready", or what it waits for
     sent_at: float
     scheduler: SchedulerStats | None = None
+    instance: str = ""  # new for every process, so a restart shows even under the same name
 
 
 StatusToGateway = Heartbeat

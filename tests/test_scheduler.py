@@ -24,9 +24,11 @@ class FakeExecutor:
         self.bs = block_size
         self.pool: dict[int, int] = {}  # slot -> token whose KV it holds
         self.host: dict[int, int] = {}  # host swap slot -> token
+        self.top_logprobs: list = []  # of the last step
 
     def execute(self, step) -> list[int]:
         bs = self.bs
+        self.top_logprobs = []
         for pairs, src_pool, dst_pool in ((step.swap_out, self.pool, self.host),
                                           (step.swap_in, self.host, self.pool)):
             for src, dst in pairs:
@@ -46,6 +48,8 @@ class FakeExecutor:
             end = seq.start_pos + len(seq.token_ids)
             seen = [self.pool[seq.block_table[p // bs] * bs + p % bs] for p in range(end)]
             sampled.append(next_token_from(seen) if seq.sample else -1)
+            if seq.sample and seq.num_logprobs:
+                self.top_logprobs.append(candidates_from(seen, seq.num_logprobs))
         return sampled
 
 
@@ -62,7 +66,8 @@ def run_until_done(sched: Scheduler, max_steps=10_000, on_step=None, executor=No
         if scheduled is None:
             break
         step, chunks = scheduled
-        for req, delta in sched.process_results(chunks, executor.execute(step)):
+        sampled = executor.execute(step)
+        for req, delta in sched.process_results(chunks, sampled, executor.top_logprobs):
             key = req.request_id if req.params.n == 1 else (req.request_id, delta.seq_index)
             outputs.setdefault(key, []).extend(delta.token_ids)
             if delta.finish_reason:
@@ -76,6 +81,39 @@ def run_until_done(sched: Scheduler, max_steps=10_000, on_step=None, executor=No
 def next_token_from(seen: list[int]) -> int:
     """A model stand-in: the next token depends only on the sequence's tokens so far."""
     return (sum(seen) * 31 + len(seen)) % 97 + 3
+
+
+def candidates_from(seen: list[int], k: int) -> list[tuple[int, float]]:
+    """A model stand-in's top-k (token, logprob), best first, from the tokens so far."""
+    h = sum(seen) * 31 + len(seen)
+    spread = 0.5 + (h * 2654435761 % 10007) / 10007  # no ties between beams
+    return [((h + 13 * j) % 97 + 3, -spread * (j + 1)) for j in range(k)]
+
+
+def reference_beam_search(prompt, width, max_tokens, eos, penalty=1.0):
+    """Plain beam search over the stand-in model, no KV cache at all."""
+    from services.scheduler.beam_search import beam_score
+
+    beams, finished = [([], 0.0)], []
+    for step in range(max_tokens):
+        ranked = sorted(((cum + lp, i, tok) for i, (out, cum) in enumerate(beams)
+                         for tok, lp in candidates_from(prompt + out, 2 * width)), key=lambda c: (-c[0], c[1], c[2]))
+        nxt = []
+        for total, i, tok in ranked:
+            if len(nxt) == width:
+                break
+            if tok == eos:
+                finished.append((beam_score(total, len(beams[i][0]) + 1, penalty), beams[i][0] + [tok]))
+            else:
+                nxt.append((beams[i][0] + [tok], total))
+        finished = sorted(finished, key=lambda f: -f[0])[:width]
+        beams = nxt
+        best = max(cum for _, cum in beams)
+        if step + 1 == max_tokens or (len(finished) == width and finished[-1][0] >= beam_score(best, step + 1, penalty)):
+            break
+    for out, cum in beams:
+        finished.append((beam_score(cum, len(out), penalty), out))
+    return [out for _, out in sorted(finished, key=lambda f: -f[0])[:width]]
 
 
 def reference_output(prompt, max_tokens):
@@ -226,3 +264,35 @@ def test_prefix_cache_skips_computed_blocks_and_keeps_outputs():
     assert sizes[0] == 1  # 20 prompt tokens were cached: only the last one is computed
     assert got["again"] == expected["first"]
     assert sched.blocks.prefix_cache_hits == 20
+
+
+def test_beam_search_shares_blocks_and_matches_plain_beam_search():
+    for width, eos in ((2, 2), (3, 40), (4, 77)):
+        sched = Scheduler(SchedulerConfig(), BlockManager(200, 4))
+        req = make("beam", 9, 10, use_beam_search=True, beam_width=width, n=width)
+        req.eos_token_ids = frozenset({eos})
+        sched.add_request(req)
+        shared, copies = [], []
+
+        def watch(s, step):
+            shared.append(s.stats().kv_blocks_saved_by_sharing)
+            copies.extend(step.block_copies)
+
+        outputs, finish = run_until_done(sched, on_step=watch)
+        want = reference_beam_search(req.prompt_token_ids, width, 10, eos)
+        assert [outputs[("beam", i)] for i in range(width)] == want
+        assert max(shared) > 0 and copies  # beams shared blocks and copied on write
+        assert not sched.requests and sched.blocks.num_used_blocks == 0
+
+
+def test_beam_search_survives_preemption_by_recompute_and_by_swap():
+    want = reference_beam_search(make("beam", 9, 12).prompt_token_ids, 4, 12, 77)
+    for mode, swap in (("recompute", None), ("swap", SwapSpace(64))):
+        sched = Scheduler(SchedulerConfig(preemption_mode=mode), BlockManager(9, 4), swap)
+        req = make("beam", 9, 12, use_beam_search=True, beam_width=4, n=4)
+        req.eos_token_ids = frozenset({77})
+        sched.add_request(req)
+        outputs, _ = run_until_done(sched)
+        assert sched.num_preemptions_total > 0
+        assert [outputs[("beam", i)] for i in range(4)] == want, mode
+        assert sched.blocks.num_used_blocks == 0

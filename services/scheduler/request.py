@@ -38,6 +38,8 @@ class Request:
     num_preemptions: int = 0
     seq_index: int = 0  # which of the request's n parallel samples this sequence is
     pending_forks: int = 0  # samples still to fork from this sequence once its prompt is in
+    cum_logprob: float = 0.0  # beam search: the beam's score so far
+    candidates: list[tuple[int, float]] | None = None  # beam search: next (token, logprob)s
 
     @property
     def fork_at(self) -> int:

@@ -16,6 +16,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from services.scheduler import beam_search
+from services.scheduler.beam_search import BeamState
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.swap_space import SwapSpace
@@ -53,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, list[Request]] = {}  # request id -> its live sequences
+        self.beams: dict[str, BeamState] = {}  # request id -> beam search state
         self.num_preemptions_total = 0
         self.num_steps_total = 0
         self.decode_steps_total = 0
@@ -82,7 +85,9 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = [req]
         self.waiting.append(req)
-        if req.params.n > 1:
+        if req.params.use_beam_search:
+            self.beams[req.request_id] = BeamState(req.params.beam_width, req.params.length_penalty)
+        elif req.params.n > 1:
             if req.fork_at > 0:
                 req.pending_forks = req.params.n - 1
             else:  # nothing to share: the samples start out on their own
@@ -99,14 +104,14 @@ class Scheduler:
             return None
         ended = [r for r in group if seq_index is None or r.seq_index == seq_index]
         for req in ended:
-            if req.status is RequestStatus.RUNNING:
-                self.running.remove(req)
-            elif req.status is RequestStatus.WAITING:
-                self.waiting.remove(req)
             self._finish(req, reason)
         return ended[0] if ended else group[0]
 
     def _finish(self, req: Request, reason: str) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
         self.blocks.free(req)
         if self.swap is not None:
             self.swap.free(req.swapped_blocks)
@@ -116,6 +121,7 @@ class Scheduler:
         group = self.requests.get(req.request_id)
         if group is not None and all(r.is_finished for r in group):
             del self.requests[req.request_id]
+            self.beams.pop(req.request_id, None)
 
     def _preempt(self, req: Request, swap_out: list[tuple[int, int]] | None = None) -> None:
         """Free a running request's blocks; swap its KV out if swap_out collects copies
@@ -173,6 +179,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk_size(req, req.num_computed_tokens, budget)
+            if n == 0:  # a beam waiting for its siblings' candidates
+                i += 1
+                continue
             while not self.blocks.can_append(req, n):
                 victim = self.running.pop()
                 self._preempt(victim, swap_out)
@@ -189,17 +198,22 @@ class Scheduler:
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if req.swapped_blocks:
+            restoring = bool(req.swapped_blocks)
+            if restoring:
                 n = self._chunk_size(req, req.num_computed_tokens, budget)
-                if not self.blocks.can_restore(req, n):
-                    break
+                fits = self.blocks.can_restore(req, n)
+            else:
+                n = self._chunk_size(req, self.blocks.num_cached_tokens(req), budget)
+                fits = self.blocks.can_allocate(req, n)
+            if not fits:
+                if self._preempt_idle_beam(chunks):
+                    continue
+                break
+            if restoring:
                 swap_in.extend(zip(req.swapped_blocks, self.blocks.restore(req, n), strict=True))
                 self.swap.free(req.swapped_blocks)
                 self.num_swapped_in_total += 1
             else:
-                n = self._chunk_size(req, self.blocks.num_cached_tokens(req), budget)
-                if not self.blocks.can_allocate(req, n):
-                    break
                 self.blocks.allocate(req, n)  # takes the cached prefix: num_computed_tokens moves
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -216,6 +230,20 @@ class Scheduler:
                            swap_out=swap_out, swap_in=swap_in)
         self._next_step_id += 1
         return step, chunks
+
+    def _preempt_idle_beam(self, chunks: list[ScheduledChunk]) -> bool:
+        """A beam that waits for its siblings' candidates holds blocks it does not use
+        now; when a waiting sequence (maybe that very sibling) cannot get blocks, such a
+        beam gives its blocks up (it keeps its candidates) and goes to the back."""
+        scheduled = {id(c.request) for c in chunks}
+        for req in reversed(self.running):
+            if req.candidates is not None and id(req) not in scheduled:
+                self.running.remove(req)
+                self._preempt(req)
+                self.waiting.remove(req)
+                self.waiting.append(req)
+                return True
+        return False
 
     @staticmethod
     def _chunk_size(req: Request, computed: int, budget: int) -> int:
@@ -236,29 +264,89 @@ class Scheduler:
             sample=chunk.samples,
             output_index=req.num_output_tokens,
             sampling=req.sampling,
+            num_logprobs=2 * req.params.beam_width if req.params.use_beam_search else 0,
         )
 
-    def process_results(self, chunks: list[ScheduledChunk], sampled: list[int]) -> list[tuple[Request, TokenDelta]]:
-        """Apply one step's sampled tokens; returns the deltas to send, by request."""
+    def process_results(
+        self, chunks: list[ScheduledChunk], sampled: list[int], top_logprobs: list[list[tuple[int, float]]] = ()
+    ) -> list[tuple[Request, TokenDelta]]:
+        """Apply one step's sampled tokens (and beams' candidates, given in step order for
+        the beams that sampled); returns the deltas to send, by request."""
         self.num_steps_total += 1
         out = []
+        candidates = iter(top_logprobs)
+        touched_beams = set()
         for chunk, token in zip(chunks, sampled, strict=True):
             req = chunk.request
+            samples = chunk.samples
+            beam_cands = next(candidates) if samples and req.params.use_beam_search else None
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted, finished or preempted while the step ran
-            samples = chunk.samples
             req.num_computed_tokens += chunk.num_tokens
             if req.pending_forks and req.num_computed_tokens == req.fork_at:
                 self._fork(req)
             if not samples:
                 continue
+            if beam_cands is not None:
+                req.candidates = [tuple(c) for c in beam_cands]
+                touched_beams.add(req.request_id)
+                continue
             req.output_token_ids.append(token)
             reason = req.stop_reason(self.config.max_model_len)
             if reason is not None:
-                self.running.remove(req)
                 self._finish(req, reason)
             out.append((req, TokenDelta(req.request_id, [token], req.num_prompt_tokens, reason, req.seq_index)))
+        for request_id in touched_beams:
+            out += self._advance_beams(request_id)
         return out
+
+    def _advance_beams(self, request_id: str) -> list[tuple[Request, TokenDelta]]:
+        """Once every live beam has its candidates: choose the next beams, fork and drop
+        sequences to match, and end the search when it is done."""
+        state, group = self.beams.get(request_id), self.requests.get(request_id, [])
+        live = [r for r in group if not r.is_finished]
+        if state is None or not live or any(r.candidates is None for r in live):
+            return []
+        first = live[0]
+        params = first.params
+
+        def is_end(tok: int) -> bool:
+            return (tok in first.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids
+
+        chosen = beam_search.select(state, live, is_end)
+        continued: list[Request] = []
+        for c in chosen:  # fork first: a child copies its parent's state before the parent moves
+            beam = c.parent
+            if beam in continued:
+                beam = beam.spawn(len(self.requests[request_id]))
+                beam.output_token_ids = list(c.parent.output_token_ids)
+                self.blocks.fork(c.parent, beam)
+                if not c.parent.block_table:  # the parent was preempted: so is its child
+                    beam.num_computed_tokens = 0
+                beam.status = c.parent.status if c.parent.block_table else RequestStatus.WAITING
+                (self.running if beam.status is RequestStatus.RUNNING else self.waiting).append(beam)
+                self.requests[request_id].append(beam)
+            continued.append(beam)
+        for beam, c in zip(continued, chosen, strict=True):
+            beam.output_token_ids.append(c.token)
+            beam.cum_logprob = c.cum_logprob
+            beam.candidates = None
+        for beam in live:
+            if beam not in continued:
+                self._finish(beam, "dropped")
+        length = len(continued[0].output_token_ids) if continued else 0
+        out_of_room = continued and continued[0].stop_reason(self.config.max_model_len) == "length"
+        best = max((b.cum_logprob for b in continued), default=float("-inf"))
+        if continued and not out_of_room and not state.is_done(best, length):
+            return []
+        for beam in continued:
+            state.add_finished(beam_search.Hypothesis(
+                beam_search.beam_score(beam.cum_logprob, length, state.length_penalty),
+                list(beam.output_token_ids), "length"))
+        for beam in continued:
+            self._finish(beam, "length")
+        return [(first, TokenDelta(request_id, hyp.token_ids, first.num_prompt_tokens, hyp.finish_reason, i))
+                for i, hyp in enumerate(state.finished[: params.n])]
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

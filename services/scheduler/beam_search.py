@@ -1,0 +1,78 @@
+"""Beam search over sequences that share KV blocks: the choice of the next beams.
+
+The scheduler runs every live beam of a request one token further, the executor
+returns each beam's top candidates (token, logprob), and `select` keeps the
+beam_width best continuations by cumulative logprob. Continuations that end in an
+end-of-sequence token become finished hypotheses, scored with a length penalty
+(cumulative logprob / generated length ** length_penalty). A parent chosen more than
+once is forked (its blocks shared, the partial one copied on its first write); a
+beam nobody continues is dropped and frees its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def beam_score(cum_logprob: float, length: int, length_penalty: float) -> float:
+    return cum_logprob / max(length, 1) ** length_penalty
+
+
+@dataclass
+class Hypothesis:
+    score: float
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass
+class BeamState:
+    """A beam search request's finished hypotheses (best first, at most width kept)."""
+
+    width: int
+    length_penalty: float
+    finished: list[Hypothesis] = field(default_factory=list)
+
+    def add_finished(self, hyp: Hypothesis) -> None:
+        self.finished.append(hyp)
+        self.finished.sort(key=lambda h: h.score, reverse=True)
+        del self.finished[self.width :]
+
+    def is_done(self, best_live_cum_logprob: float, length: int) -> bool:
+        """No live beam can beat the worst kept hypothesis any more (scored at its
+        current length, as transformers' early_stopping=False does)."""
+        if len(self.finished) < self.width:
+            return False
+        best = beam_score(best_live_cum_logprob, length, self.length_penalty)
+        return self.finished[-1].score >= best
+
+
+@dataclass(frozen=True)
+class Continuation:
+    parent: object  # the beam (a Request) being continued
+    token: int
+    cum_logprob: float
+
+
+def select(
+    state: BeamState,
+    beams: list,  # live beams: objects with .candidates, .cum_logprob, .output_token_ids
+    is_end: callable,
+) -> list[Continuation]:
+    """The next beams; end-of-sequence continuations go to state.finished instead."""
+    ranked = sorted(
+        ((b.cum_logprob + lp, i, tok) for i, b in enumerate(beams) for tok, lp in b.candidates),
+        key=lambda c: (-c[0], c[1], c[2]),
+    )
+    chosen: list[Continuation] = []
+    for total, i, tok in ranked:
+        if len(chosen) == state.width:
+            break
+        parent = beams[i]
+        if is_end(tok):
+            length = len(parent.output_token_ids) + 1
+            state.add_finished(Hypothesis(beam_score(total, length, state.length_penalty),
+                                          parent.output_token_ids + [tok], "stop"))
+        else:
+            chosen.append(Continuation(parent, tok, total))
+    return chosen
