@@ -23,9 +23,12 @@ some unless block_size is 1), and gaps come in whole blocks.
 The interface is `BlockManager`'s, so the same `Scheduler` runs either. Growing
 within the reservation never needs a block, so `can_append` holds for any request
 that passed `Scheduler.check_fits` and these policies never preempt. Nothing is
-shared: there is no prefix cache, and a forked sequence gets a reservation of its
-own, taken when its parent is admitted (so `fork` cannot fail), and recomputes the
-prompt into it.
+shared: there is no prefix cache, and a forked sequence (parallel sample, beam)
+gets a reservation of its own and recomputes its tokens into it. A request with
+parallel samples reserves a run for each sample that fits when it is admitted
+(only its own run must fit, so it never waits on room it may never get); a fork
+that finds no run held for it takes one first-fit then or at its first step, or
+the scheduler preempts it back to the queue until one fits.
 """
 
 from __future__ import annotations
@@ -125,27 +128,14 @@ class ReservingAllocator:
 
     # --- first fit ------------------------------------------------------------------
 
-    def _first_fit(self, n: int, taken: list[tuple[int, int]] | None = None) -> int | None:
-        """Lowest block where n free blocks start, also avoiding the runs in taken."""
-        runs = [(s, self._ends[s]) for s in self._starts]
-        if taken:
-            runs = sorted(runs + taken)
+    def _first_fit(self, n: int) -> int | None:
+        """Lowest block where n free blocks start, or None."""
         prev = 0
-        for s, e in runs:
+        for s in self._starts:
             if s - prev >= n:
                 return prev
-            prev = e
+            prev = self._ends[s]
         return prev if self.num_blocks - prev >= n else None
-
-    def _fits_all(self, sizes: list[int]) -> list[int] | None:
-        """Starts for runs of these sizes taken one after another first-fit, or None."""
-        taken: list[tuple[int, int]] = []
-        for n in sizes:
-            start = self._first_fit(n, taken)
-            if start is None:
-                return None
-            taken.append((start, start + n))
-        return [s for s, _ in taken]
 
     def _reserve(self, start: int, n: int) -> None:
         bisect.insort(self._starts, start)
@@ -156,36 +146,38 @@ class ReservingAllocator:
         del self._starts[bisect.bisect_left(self._starts, start)]
         self._used -= self._ends.pop(start) - start
 
-    def _sizes(self, seq: Sequence) -> list[int]:
-        n = self.reservation_blocks(seq)
-        return [n] * (1 + getattr(seq, "pending_forks", 0))
-
     # --- a new sequence -------------------------------------------------------------
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         return 0
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        if seq.block_table or self.blocks_for(num_new_tokens) > self.reservation_blocks(seq):
-            return False
-        return self._fits_all(self._sizes(seq)) is not None
+        n = self.reservation_blocks(seq)
+        return not seq.block_table and self.blocks_for(num_new_tokens) <= n and self._first_fit(n) is not None
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Reserve seq's whole run (and one per pending fork); sets num_computed_tokens to 0."""
+        """Reserve seq's run, and one for each pending fork that fits now; sets
+        num_computed_tokens to 0."""
         if not self.can_allocate(seq, num_new_tokens):
             raise RuntimeError("allocate without room: call can_allocate first")
         self._take_runs(seq)
         seq.num_computed_tokens = 0
 
     def _take_runs(self, seq: Sequence) -> None:
-        sizes = self._sizes(seq)
-        starts = self._fits_all(sizes)
-        assert starts is not None
-        for start, n in zip(starts, sizes, strict=True):
-            self._reserve(start, n)
-        seq.block_table.extend(range(starts[0], starts[0] + sizes[0]))
-        if len(starts) > 1:
-            self._for_forks[starts[0]] = starts[1:]
+        n = self.reservation_blocks(seq)
+        start = self._first_fit(n)
+        assert start is not None
+        self._reserve(start, n)
+        seq.block_table.extend(range(start, start + n))
+        held = []
+        for _ in range(getattr(seq, "pending_forks", 0)):
+            fork_start = self._first_fit(n)
+            if fork_start is None:
+                break
+            self._reserve(fork_start, n)
+            held.append(fork_start)
+        if held:
+            self._for_forks[start] = held
 
     def can_restore(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for a swapped-out sequence to come back with num_new_tokens more."""
@@ -205,32 +197,47 @@ class ReservingAllocator:
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         end = seq.num_computed_tokens + num_new_tokens
-        return bool(seq.block_table) and end <= len(seq.block_table) * self.block_size
+        if not seq.block_table:  # forked without room: it reserves now or waits
+            return end <= self.reservation_blocks(seq) * self.block_size and (
+                self._first_fit(self.reservation_blocks(seq)) is not None
+            )
+        return end <= len(seq.block_table) * self.block_size
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         if not self.can_append(seq, num_new_tokens):
-            raise RuntimeError("append past the reservation")
+            raise RuntimeError("append past the reservation: call can_append first")
+        if not seq.block_table:
+            n = self.reservation_blocks(seq)
+            start = self._first_fit(n)
+            self._reserve(start, n)
+            seq.block_table.extend(range(start, start + n))
         return []
 
     # --- forks and release ----------------------------------------------------------
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child takes a run held for it (or first-fit now) and computes from 0."""
+        """The child takes a run held for it, or first-fit now, and computes from 0.
+
+        With no room (or a parent holding nothing) the child gets no run yet: it
+        reserves one at its first append if a gap fits by then (see `can_append`),
+        else the scheduler preempts it back to the queue.
+        """
         if child.block_table:
             raise RuntimeError("fork into a sequence that already holds blocks")
-        held = self._for_forks.get(parent.block_table[0], [])
-        n = self.reservation_blocks(parent)
+        child.num_computed_tokens = 0
+        if not parent.block_table:
+            return
+        held = self._for_forks.get(parent.block_table[0])
         if held:
             start = held.pop()
             if not held:
                 del self._for_forks[parent.block_table[0]]
         else:
-            start = self._first_fit(n)
+            start = self._first_fit(self.reservation_blocks(parent))
             if start is None:
-                raise RuntimeError("no contiguous room for the forked sequence")
-            self._reserve(start, n)
+                return
+            self._reserve(start, self.reservation_blocks(parent))
         child.block_table.extend(range(start, self._ends[start]))
-        child.num_computed_tokens = 0
 
     def free(self, seq: Sequence) -> None:
         if not seq.block_table:
@@ -250,6 +257,7 @@ class ReservingAllocator:
     def check_invariants(self, tables: Iterable[list[int]]) -> None:
         """Raise AssertionError unless runs are disjoint, each table is one whole run,
         and every run belongs to one table or is held for a fork."""
+        tables = list(tables)
         prev = 0
         for s in self._starts:
             assert s >= prev, f"run at block {s} overlaps the one before"
