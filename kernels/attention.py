@@ -3,10 +3,14 @@
 Every backend implements the same three ops with the signatures and layout of
 `kernels.reference`, so a model holds one `AttentionBackend` and never knows which
 implementation runs. Faster kernels plug in with `register_backend`.
+
+The Triton backend (`kernels.triton_backend`) is imported only when it is asked for
+by name or "auto" looks for a CUDA backend, so the CPU path never imports triton.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +24,8 @@ class AttentionBackend:
     paged_attention: Callable
     copy_blocks: Callable
     devices: tuple[str, ...]  # device types it runs on
+    slow_devices: tuple[str, ...] = ()  # runs there too, but only when named ("auto" never picks it)
+    graph_safe: bool = False  # sizes come from shapes alone (no host sync): a CUDA graph can capture it
 
 
 _BACKENDS: dict[str, AttentionBackend] = {
@@ -45,8 +51,18 @@ def available_backends() -> list[str]:
     return list(_BACKENDS)
 
 
+def _load_triton() -> None:
+    if "triton" in _BACKENDS:
+        return
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("attention backend 'triton' needs the triton package (pip install 'pagedserve[triton]')")
+    import kernels.triton_backend  # noqa: F401  (registers itself)
+
+
 def get_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:
-    device_type = device.split(":")[0]
+    device_type = str(device).split(":")[0]
+    if name == "triton" or (name == "auto" and device_type == "cuda" and importlib.util.find_spec("triton")):
+        _load_triton()
     if name == "auto":
         for candidate in _PREFERENCE:
             if device_type in _BACKENDS[candidate].devices:
@@ -55,6 +71,6 @@ def get_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; have {available_backends()}")
     backend = _BACKENDS[name]
-    if device_type not in backend.devices:
+    if device_type not in backend.devices + backend.slow_devices:
         raise ValueError(f"attention backend {name!r} does not run on {device!r}")
     return backend

@@ -3,6 +3,10 @@
 A step is: copy-on-write block copies, then one forward pass over every scheduled
 sequence's new tokens (their K/V land in the pool at the slots the scheduler chose),
 then sampling of the sequences that asked for a token.
+
+On CUDA the pool, unless sized explicitly, takes what a profiling pass of the
+largest step leaves of `gpu_memory_utilization` of the GPU (see `gpu_memory`), and
+decode steps replay CUDA graphs when the attention backend allows it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from torch import Tensor
 
 from kernels.attention import get_backend
 from services.executor.batch import BatchMetadata, InvalidStep
-from services.executor.kv_cache import DEFAULT_KV_CACHE_MEMORY, KVCache
+from services.executor.cuda_graphs import DecodeGraphs
+from services.executor.gpu_memory import kv_cache_budget, profile_step
+from services.executor.kv_cache import DEFAULT_KV_CACHE_MEMORY, KVCache, bytes_per_block
 from services.executor.loader import load_model, parse_dtype
 from services.executor.models.llama import head_dim_of, num_kv_heads_of
 from services.executor.sampler import Sampler
@@ -36,8 +42,16 @@ class ModelRunner:
         device: str = "cpu",
         attention_backend: str = "auto",
         seed: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        cuda_graphs: bool = True,
     ):
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            if self.device.index is not None:
+                torch.cuda.set_device(self.device)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = parse_dtype(dtype)
         self.block_size = block_size
         self.backend = get_backend(attention_backend, device)
@@ -45,24 +59,39 @@ class ModelRunner:
         config = self.model.config
         self.max_model_len: int = config.max_position_embeddings
         self.vocab_size: int = config.vocab_size
+        self.sampler = Sampler(seed=seed, device=self.device)
+        self.graphs: DecodeGraphs | None = None
         shape = (config.num_hidden_layers, block_size, num_kv_heads_of(config), head_dim_of(config))
         if num_kv_blocks is None:
+            if kv_cache_memory is None and self.device.type == "cuda":
+                kv_cache_memory = self._profile_kv_cache_memory(
+                    shape, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
             memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
             num_kv_blocks = KVCache.blocks_for_memory(memory, *shape, self.dtype)
         self.kv_cache = KVCache(shape[0], num_kv_blocks, *shape[1:], self.dtype, self.device)
         self.num_kv_blocks: int = num_kv_blocks
-        self.sampler = Sampler(seed=seed, device=self.device)
+        if cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
+            self.graphs = DecodeGraphs(self.model, self.kv_cache.k_caches, self.kv_cache.v_caches, block_size,
+                                       self.max_model_len, max_num_seqs, self.device)
         log.info("%s loaded (%s, %s, %s attention); KV pool %d blocks of %d tokens, %.1f MiB",
                  model_dir, self.dtype, self.device, self.backend.name, num_kv_blocks, block_size,
                  self.kv_cache.nbytes / 2**20)
 
     def compute_logits(self, step: ExecuteStep) -> tuple[Tensor, BatchMetadata]:
-        """Run the step's forward pass; float32 logits of its sampled sequences, in order."""
-        meta = BatchMetadata.from_step(step, self.block_size, self.num_kv_blocks, self.device)
+        """Run the step's forward pass; float32 logits of its sampled sequences, in order.
+
+        A decode step replayed from a CUDA graph keeps its BatchMetadata on the CPU."""
+        graph = self.graphs is not None and self.graphs.fits(step)
+        meta = BatchMetadata.from_step(step, self.block_size, self.num_kv_blocks, "cpu" if graph else self.device)
         self._copy_blocks(step)
         start = time.perf_counter()
         with torch.inference_mode():
-            logits = self.model(meta, self.kv_cache.k_caches, self.kv_cache.v_caches)
+            if graph:
+                logits = self.graphs.replay(meta)
+            else:
+                logits = self.model(meta, self.kv_cache.k_caches, self.kv_cache.v_caches)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # kernels run asynchronously: time them to the end
         self.last_forward_s = time.perf_counter() - start
         return logits, meta
 
@@ -88,3 +117,27 @@ class ModelRunner:
             raise InvalidStep(f"block copy outside the pool of {self.num_kv_blocks} blocks")
         with torch.inference_mode():
             self.backend.copy_blocks(self.kv_cache.k_caches, self.kv_cache.v_caches, step.block_copies)
+
+    def _profile_kv_cache_memory(self, shape: tuple[int, int, int, int], utilization: float,
+                                 max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        """Bytes left for the KV pool after one step of the largest batch (see `gpu_memory`)."""
+        step, blocks = profile_step(max_num_batched_tokens, max_num_seqs, self.max_model_len, self.block_size,
+                                    self.vocab_size)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.kv_cache = KVCache(shape[0], blocks, *shape[1:], self.dtype, self.device)
+        self.num_kv_blocks = blocks
+        self.execute(step)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self.kv_cache.nbytes
+        del self.kv_cache
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = kv_cache_budget(total, free, torch.cuda.memory_reserved(self.device), peak, utilization)
+        log.info("profiling step of %d tokens: peak %.2f GiB besides the pool; %.2f of %.2f GiB for the pool "
+                 "at utilization %.2f", sum(len(s.token_ids) for s in step.seqs), peak / 2**30,
+                 budget / 2**30, total / 2**30, utilization)
+        if budget < bytes_per_block(*shape, self.dtype):
+            raise RuntimeError(f"no GPU memory left for the KV pool at --gpu-memory-utilization {utilization} "
+                               f"(peak use besides the pool {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB)")
+        return budget

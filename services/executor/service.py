@@ -2,8 +2,9 @@
 
 It connects to the scheduler's two bound sockets, announces its KV pool with
 `ExecutorReady`, then runs one step at a time. A step that raises is reported as
-`StepFailed` and the executor keeps serving. SIGTERM/SIGINT end it after the step
-in flight.
+`StepFailed` and the executor keeps serving. A `SchedulerHello` (a scheduler that
+restarted and has no pool) is answered with the same `ExecutorReady` again.
+SIGTERM/SIGINT end it after the step in flight.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import zmq
 from services.executor.kv_cache import parse_size
 from services.executor.model_runner import ModelRunner
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
-from shared.heartbeat import HeartbeatThread
+from shared.heartbeat import INSTANCE_ID, HeartbeatThread
 from shared.messages import (
     ExecuteStep,
     ExecutorReady,
     ExecutorToScheduler,
+    SchedulerHello,
     SchedulerToExecutor,
     StepFailed,
     StepResult,
@@ -47,7 +49,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--executor-id", default=None, help="name in heartbeats and ExecutorReady")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
+                        help="auto: Triton kernels on CUDA, the torch reference elsewhere")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="on CUDA, the fraction of GPU memory the executor may use; the KV pool gets what "
+                             "a profiling pass of the largest batch leaves (unless sized explicitly)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="tokens of the largest step the scheduler sends (sizes the profiling pass)")
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="sequences of the largest step (profiling pass, largest CUDA graph)")
+    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                        help="run decode steps eagerly instead of replaying CUDA graphs")
     add_address_args(parser, required=False)
     add_log_args(parser)
 
@@ -75,18 +87,25 @@ class Executor:
                 resolve_model(args.model), dtype=args.dtype, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
                 device=args.device, attention_backend=args.attention_backend,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                cuda_graphs=args.cuda_graphs,
             )
             if self.stop.is_set():
                 return 0
             steps = PullSocket(ctx, addr.executor_in, SchedulerToExecutor, bind=False)
             results = PushSocket(ctx, addr.executor_out, ExecutorToScheduler, bind=False)
-            results.send(ExecutorReady(executor_id=self.executor_id, num_kv_blocks=runner.num_kv_blocks,
-                                       block_size=runner.block_size, max_model_len=runner.max_model_len))
+            ready = ExecutorReady(executor_id=self.executor_id, num_kv_blocks=runner.num_kv_blocks,
+                                  block_size=runner.block_size, max_model_len=runner.max_model_len,
+                                  instance=INSTANCE_ID)
+            results.send(ready)
             self.state = "ready"
             log.info("executor %s ready", self.executor_id)
             while not self.stop.is_set():
                 step = steps.recv(timeout_ms=POLL_MS)
-                if step is not None:
+                if isinstance(step, SchedulerHello):
+                    results.send(ready)
+                elif step is not None:
                     results.send(self.execute(runner, step))
             return 0
         finally:
