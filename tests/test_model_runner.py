@@ -330,3 +330,33 @@ def test_smollm2_greedy_matches_transformers():
     drv.add("s", prompt)
     drv.decode_all(8)
     assert drv.seqs["s"]["out"] == hf_greedy(hf, prompt, 8)
+
+
+def test_swap_out_and_in_restore_a_sequence_and_beams_get_top_logprobs(tmp_path):
+    """KV moved to host swap space and back into other blocks decodes exactly as before."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    runner = ModelRunner(tmp_path, dtype="float32", block_size=4, num_kv_blocks=16, swap_space=1 << 20)
+    assert runner.swap.num_blocks > 8
+    prompt = list(range(5, 15))  # 10 tokens: blocks 3, 7, 9
+    greedy = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
+
+    def seq(tokens, start, table, logprobs=0):
+        slots = [table[p // 4] * 4 + p % 4 for p in range(start, start + len(tokens))]
+        return ScheduledSeq("r", tokens, start, table, slots, True, start, greedy, num_logprobs=logprobs)
+
+    first = runner.execute(ExecuteStep(0, [seq(prompt, 0, [3, 7, 9])]))[0]
+    want = runner.execute(ExecuteStep(1, [seq([first], 10, [3, 7, 9], logprobs=3)]))[0]
+    top = runner.last_top_logprobs
+    assert len(top) == 1 and len(top[0]) == 3 and top[0][0][0] == want
+    assert top[0][0][1] >= top[0][1][1] >= top[0][2][1]
+    # swap the three blocks out, clobber them, swap them into other blocks, decode again
+    runner.execute(ExecuteStep(2, [], swap_out=[(3, 0), (7, 1), (9, 2)]))
+    for cache in (*runner.kv_cache.k_caches, *runner.kv_cache.v_caches):
+        cache[[3, 7, 9]] = 7.0
+    got = runner.execute(ExecuteStep(3, [seq([first], 10, [12, 1, 5])], swap_in=[(0, 12), (1, 1), (2, 5)]))[0]
+    assert got == want

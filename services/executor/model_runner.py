@@ -26,6 +26,7 @@ from services.executor.kv_cache import DEFAULT_KV_CACHE_MEMORY, KVCache, bytes_p
 from services.executor.loader import load_model, parse_dtype
 from services.executor.models.llama import head_dim_of, num_kv_heads_of
 from services.executor.sampler import Sampler
+from services.executor.swap_space import SwapSpace
 from shared.messages import ExecuteStep
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
         cuda_graphs: bool = True,
+        swap_space: int = 0,
     ):
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -70,6 +72,8 @@ class ModelRunner:
             num_kv_blocks = KVCache.blocks_for_memory(memory, *shape, self.dtype)
         self.kv_cache = KVCache(shape[0], num_kv_blocks, *shape[1:], self.dtype, self.device)
         self.num_kv_blocks: int = num_kv_blocks
+        self.swap = SwapSpace(self.kv_cache, swap_space)
+        self.last_top_logprobs: list[list[tuple[int, float]]] = []
         if cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
             self.graphs = DecodeGraphs(self.model, self.kv_cache.k_caches, self.kv_cache.v_caches, block_size,
                                        self.max_model_len, max_num_seqs, self.device)
@@ -83,7 +87,7 @@ class ModelRunner:
         A decode step replayed from a CUDA graph keeps its BatchMetadata on the CPU."""
         graph = self.graphs is not None and self.graphs.fits(step)
         meta = BatchMetadata.from_step(step, self.block_size, self.num_kv_blocks, "cpu" if graph else self.device)
-        self._copy_blocks(step)
+        self._move_blocks(step)
         start = time.perf_counter()
         with torch.inference_mode():
             if graph:
@@ -98,8 +102,9 @@ class ModelRunner:
     def execute(self, step: ExecuteStep) -> list[int]:
         """The token sampled for each of step.seqs, or -1 where a sequence is not sampled."""
         self.last_forward_s = 0.0
+        self.last_top_logprobs = []
         if not step.seqs:
-            self._copy_blocks(step)
+            self._move_blocks(step)
             return []
         logits, meta = self.compute_logits(step)
         sampled = [-1] * len(step.seqs)
@@ -108,7 +113,26 @@ class ModelRunner:
             tokens = self.sampler(logits, [s.sampling for s in seqs], [s.output_index for s in seqs])
             for i, token in zip(meta.sampled_seqs, tokens, strict=True):
                 sampled[i] = token
+            self.last_top_logprobs = self._top_logprobs(logits, seqs)
         return sampled
+
+    @staticmethod
+    def _top_logprobs(logits: Tensor, seqs: list) -> list[list[tuple[int, float]]]:
+        """Best (token, logprob) candidates of the sampled seqs that asked (beams), in order."""
+        rows = [i for i, s in enumerate(seqs) if s.num_logprobs > 0]
+        if not rows:
+            return []
+        k = max(seqs[i].num_logprobs for i in rows)
+        values, tokens = torch.log_softmax(logits[rows].float(), dim=-1).topk(k, dim=-1)
+        return [list(zip(tokens[j, : seqs[i].num_logprobs].tolist(), values[j, : seqs[i].num_logprobs].tolist(),
+                         strict=True)) for j, i in enumerate(rows)]
+
+    def _move_blocks(self, step: ExecuteStep) -> None:
+        """Swap out, swap in, then copy-on-write copies, before the step's forward pass."""
+        with torch.inference_mode():
+            self.swap.swap_out(step.swap_out)
+            self.swap.swap_in(step.swap_in)
+        self._copy_blocks(step)
 
     def _copy_blocks(self, step: ExecuteStep) -> None:
         if not step.block_copies:

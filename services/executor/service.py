@@ -46,6 +46,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="pool size; wins over --kv-cache-memory")
     parser.add_argument("--kv-cache-memory", type=parse_size, default=None,
                         help="bytes for the KV pool (e.g. 1073741824 or 2GiB); default 1 GiB")
+    parser.add_argument("--swap-space", type=parse_size, default=0,
+                        help="bytes of host memory for the KV of swapped-out sequences (--preemption-mode swap)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--executor-id", default=None, help="name in heartbeats and ExecutorReady")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -89,7 +91,7 @@ class Executor:
                 device=args.device, attention_backend=args.attention_backend,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                cuda_graphs=args.cuda_graphs,
+                cuda_graphs=args.cuda_graphs, swap_space=args.swap_space or 0,
             )
             if self.stop.is_set():
                 return 0
@@ -97,7 +99,7 @@ class Executor:
             results = PushSocket(ctx, addr.executor_out, ExecutorToScheduler, bind=False)
             ready = ExecutorReady(executor_id=self.executor_id, num_kv_blocks=runner.num_kv_blocks,
                                   block_size=runner.block_size, max_model_len=runner.max_model_len,
-                                  instance=INSTANCE_ID)
+                                  num_swap_blocks=runner.swap.num_blocks, instance=INSTANCE_ID)
             results.send(ready)
             self.state = "ready"
             log.info("executor %s ready", self.executor_id)
@@ -122,7 +124,8 @@ class Executor:
         except Exception as exc:
             log.exception("step %d failed", step.step_id)
             return StepFailed(step_id=step.step_id, message=f"{type(exc).__name__}: {exc}")
-        return StepResult(step_id=step.step_id, sampled=sampled, forward_s=runner.last_forward_s)
+        return StepResult(step_id=step.step_id, sampled=sampled, forward_s=runner.last_forward_s,
+                          top_logprobs=runner.last_top_logprobs)
 
 
 def run(args: argparse.Namespace) -> int:
