@@ -2,6 +2,9 @@
 
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -274,7 +277,7 @@ def test_beam_search_shares_blocks_and_matches_plain_beam_search():
         sched.add_request(req)
         shared, copies = [], []
 
-        def watch(s, step):
+        def watch(s, step, shared=shared, copies=copies):
             shared.append(s.stats().kv_blocks_saved_by_sharing)
             copies.extend(step.block_copies)
 
@@ -296,3 +299,50 @@ def test_beam_search_survives_preemption_by_recompute_and_by_swap():
         assert sched.num_preemptions_total > 0
         assert [outputs[("beam", i)] for i in range(4)] == want, mode
         assert sched.blocks.num_used_blocks == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(1, 3), st.booleans(),
+                       st.integers(0, 40)), min_size=1, max_size=8),
+    st.sampled_from(["recompute", "swap"]),
+    st.integers(8, 40),
+    st.booleans(),
+)
+def test_random_workloads_keep_invariants_and_finish(specs, mode, num_blocks, shared_prompts):
+    """Random mixes of prompts (some sharing prefixes), parallel samples, beams and aborts
+    on a small pool, with preemption by recompute or swap: the pool stays consistent
+    every step, and every request that is not aborted finishes with the outputs an
+    unconstrained run gives."""
+    def build(sched):
+        for i, (plen, out, k, beam, _abort_at) in enumerate(specs):
+            rid = f"q{i}"
+            req = make("shared" if shared_prompts else rid, plen, out, n=k,
+                       **({"use_beam_search": True, "beam_width": k} if beam else {}))
+            req.request_id = rid
+            if sched.check_fits(req) is None:
+                sched.add_request(req)
+
+    big = Scheduler(SchedulerConfig(), BlockManager(10_000, 4))
+    build(big)
+    expected, _ = run_until_done(big)
+    swap = SwapSpace(num_blocks * 2) if mode == "swap" else None
+    small = Scheduler(SchedulerConfig(preemption_mode=mode, max_num_batched_tokens=24), BlockManager(num_blocks, 4),
+                      swap)
+    build(small)
+    aborts = {f"q{i}": at for i, (*_, at) in enumerate(specs) if at % 5 == 0}
+    steps = [0]
+
+    def abort_some(s, _step):
+        steps[0] += 1
+        for rid, at in aborts.items():
+            if at == steps[0]:
+                s.finish_request(rid, "abort")
+
+    got, _ = run_until_done(small, on_step=abort_some)
+    for key, tokens in got.items():
+        rid = key if isinstance(key, str) else key[0]
+        if rid not in aborts:
+            assert tokens == expected[key], key
+    assert set(expected) - set(got) <= {k for k in expected if (k if isinstance(k, str) else k[0]) in aborts}
+    assert not small.requests and small.blocks.num_used_blocks == 0
