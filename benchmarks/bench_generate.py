@@ -76,9 +76,20 @@ def run_hf(model, prompts, max_tokens: int, batch_size: int) -> tuple[float, int
     return time.perf_counter() - t0, produced
 
 
-def start_server(port: int, threads: int) -> subprocess.Popen:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(30)
+
+
+def start_server(port: int, threads: int, extra: list[str] = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "services.cli", "serve", "--model", "smollm2", "--dtype", "bfloat16",
-           "--port", str(port), "--executor-threads", str(threads), "--log-level", "WARNING"]
+           "--port", str(port), "--executor-threads", str(threads), "--log-level", "WARNING", *extra]
     proc = subprocess.Popen(cmd, start_new_session=True)
     for _ in range(600):
         try:
@@ -112,9 +123,7 @@ def main() -> None:
     proc = None
     url = args.url
     if url is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         proc = start_server(port, args.threads)
         url = f"http://127.0.0.1:{port}"
     try:
@@ -144,8 +153,7 @@ def main() -> None:
         print(f"  decode step wall time outside the forward pass: {statistics.median(outside):.1%}")
     finally:
         if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
+            stop_server(proc)
 
 
 if __name__ == "__main__":
