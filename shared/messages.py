@@ -228,6 +228,11 @@ class SchedulerStats(Struct):
     prefix_cache_hits_total: int = 0  # of which found cached
     num_swapped_out_total: int = 0  # preemptions that moved KV to host memory
     num_swapped_in_total: int = 0
+    # the KV pool by the paper's Figure 2 categories, in token slots
+    kv_slots_token_states: int = 0
+    kv_slots_reserved: int = 0  # reserved for tokens a request will still produce
+    kv_slots_internal_frag: int = 0  # allocated but never to be used
+    kv_slots_external_frag: int = 0  # free but unusable by the next waiting request
     # decode-only steps: wall time from scheduling to results applied, and the part of it
     # the executor spent in the model's forward pass
     decode_steps_total: int = 0

@@ -3,8 +3,10 @@
 Requests arrive from tokenizer replicas over a ROUTER socket (replies go back to the
 replica that sent them); one step at a time goes to the executor and its sampled
 tokens come back. The pool's size comes from the executor's `ExecutorReady`; a
-second `ExecutorReady` means the executor restarted and lost the KV cache, so every
-running request is preempted and recomputed.
+second `ExecutorReady` from a new executor instance means the executor restarted and
+lost the KV cache, so every running request is preempted and recomputed. A scheduler
+that has no pool yet says `SchedulerHello` every HELLO_INTERVAL_S, so an executor that
+outlived the previous scheduler announces itself again.
 """
 
 from __future__ import annotations
@@ -15,20 +17,25 @@ import os
 import signal
 import time
 
+import msgspec
 import zmq
 
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_accounting import kv_usage
 from services.scheduler.request import Request
+from services.scheduler.reservation import POLICIES as KV_POLICIES
+from services.scheduler.reservation import make_allocator
 from services.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.scheduler.swap_space import SwapSpace
 from shared.config import Addresses, add_address_args, add_log_args
-from shared.heartbeat import HeartbeatThread
+from shared.heartbeat import INSTANCE_ID, HeartbeatThread
 from shared.messages import (
     AbortRequest,
     ExecutorReady,
     ExecutorToScheduler,
     FinishRequest,
     RequestError,
+    SchedulerHello,
+    SchedulerStats,
     SchedulerToExecutor,
     SchedulerToTokenizer,
     StepFailed,
@@ -41,6 +48,8 @@ from shared.transport import PullSocket, PushSocket, RouterSocket, wait_readable
 
 log = logging.getLogger("pagedserve.scheduler")
 
+HELLO_INTERVAL_S = 0.5
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="max running requests")
@@ -50,6 +59,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="swap needs host swap space on the executor (--swap-space)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="do not reuse cached KV blocks of identical prompt prefixes")
+    parser.add_argument("--kv-policy", choices=KV_POLICIES, default="paged",
+                        help="paged (blocks on demand) or a contiguous-reservation baseline of the paper")
     add_address_args(parser, required=False)
     add_log_args(parser)
 
@@ -62,15 +73,26 @@ class SchedulerService:
         self.steps_out = PushSocket(ctx, addr.executor_in, SchedulerToExecutor, bind=True)
         self.results_in = PullSocket(ctx, addr.executor_out, ExecutorToScheduler, bind=True)
         self.scheduler: Scheduler | None = None
+        self.stats: SchedulerStats | None = None
         self.executor_id: str | None = None
+        self.executor_instance: str | None = None
+        self.hello_at = 0.0
         self.in_flight: tuple[int, list[ScheduledChunk], float] | None = None  # id, chunks, start
         self.pending: list[tuple[bytes, TokenizedRequest]] = []  # before the executor is up
         self.heartbeat = HeartbeatThread(
             ctx, addr.status, "scheduler", "scheduler", self._state,
-            lambda: self.scheduler.stats() if self.scheduler else None,
+            lambda: self.stats,
         )
         self.recently_aborted: dict[str, float] = {}  # request id -> when its abort came
         self.running = True
+
+    def refresh_stats(self) -> None:
+        """Snapshot for the heartbeat thread, which must not read the scheduler mid-change."""
+        stats = self.scheduler.stats()
+        usage = kv_usage(self.scheduler)
+        self.stats = msgspec.structs.replace(
+            stats, kv_slots_token_states=int(usage.token_states), kv_slots_reserved=int(usage.reserved),
+            kv_slots_internal_frag=int(usage.internal_frag), kv_slots_external_frag=int(usage.external_frag))
 
     def _state(self) -> str:
         return "ready" if self.scheduler else "waiting for executor"
@@ -78,13 +100,17 @@ class SchedulerService:
     # --- messages from the executor --------------------------------------------------
 
     def on_executor_ready(self, msg: ExecutorReady) -> None:
+        if msg.instance and msg.instance == self.executor_instance:
+            return  # the executor we know, answering a hello: its KV is intact
+        self.executor_instance = msg.instance
         if self.scheduler is None:
             max_len = min(msg.max_model_len, self.args.max_model_len or msg.max_model_len)
             config = SchedulerConfig(self.args.max_num_seqs, self.args.max_num_batched_tokens, max_len,
                                      self.args.preemption_mode)
             if config.preemption_mode == "swap" and not msg.num_swap_blocks:
                 log.warning("--preemption-mode swap without executor swap space: preempted requests recompute")
-            blocks = BlockManager(msg.num_kv_blocks, msg.block_size, self.args.prefix_caching)
+            blocks = make_allocator(self.args.kv_policy, msg.num_kv_blocks, msg.block_size, max_len,
+                                    self.args.prefix_caching)
             self.scheduler = Scheduler(config, blocks, SwapSpace(msg.num_swap_blocks))
             log.info("executor %s ready: %d blocks of %d tokens", msg.executor_id, msg.num_kv_blocks, msg.block_size)
             for peer, req in self.pending:
@@ -166,6 +192,9 @@ class SchedulerService:
         self.heartbeat.start()
         stalled = False  # work is queued but nothing fits until something changes
         while self.running:
+            if self.scheduler is None and time.monotonic() - self.hello_at > HELLO_INTERVAL_S:
+                self.steps_out.send_nowait(SchedulerHello(INSTANCE_ID))
+                self.hello_at = time.monotonic()
             can_step = self.in_flight is None and self.scheduler is not None and self.scheduler.has_work
             ready = wait_readable([self.requests_in, self.results_in], 0 if can_step and not stalled else 100)
             stalled = stalled and not ready
@@ -190,6 +219,8 @@ class SchedulerService:
                     step, chunks = scheduled
                     self.steps_out.send(step)
                     self.in_flight = (step.step_id, chunks, started)
+            if self.scheduler is not None and (ready or not stalled):
+                self.refresh_stats()
         self.heartbeat.stop()
 
 
