@@ -1,8 +1,12 @@
-"""The `pagedserve` command: `serve` (all stages, supervised) and `stage NAME` (one stage).
+"""The `pagedserve` command: `serve` (all stages, supervised), `stage NAME` (one stage),
+`probe` (a container health check) and `simulate` (the scheduler on a simulated GPU,
+`services/simulator`).
 
 Each stage module (`services/<name>/service.py`) declares its own options with
 `add_args(parser)` and runs with `run(args)`; the launcher passes the same options
-through to each stage's command line.
+through to each stage's command line. `stage NAME` imports only that stage's module
+and the other commands none, so a restarted scheduler or gateway is back in a fraction
+of a second, and a probe answers at once, instead of importing torch first.
 """
 
 from __future__ import annotations
@@ -19,7 +23,17 @@ def stage_module(name: str):
     return importlib.import_module(f"services.{name}.service")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _stages_to_declare(argv: list[str]) -> tuple[str, ...]:
+    """The stage modules to import for this command line: one for `stage NAME`, none for
+    the other commands (a health probe must answer fast), all for help or a mistake."""
+    if argv[:1] == ["stage"]:
+        return (argv[1],) if len(argv) >= 2 and argv[1] in STAGES else STAGES
+    if argv[:1] and argv[0] in ("serve", "probe", "simulate"):
+        return ()
+    return STAGES
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="PagedAttention LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -29,13 +43,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     stage = sub.add_parser("stage", help="run one stage alone, connecting by address")
     stage_sub = stage.add_subparsers(dest="stage", required=True)
+    declared = _stages_to_declare(sys.argv[1:] if argv is None else argv)
     for name in STAGES:
-        stage_module(name).add_args(stage_sub.add_parser(name))
+        stage_parser = stage_sub.add_parser(name)
+        if name in declared:
+            stage_module(name).add_args(stage_parser)
+
+    from services import probe
+
+    probe.add_args(sub.add_parser("probe", help="exit 0 when this container's stage is healthy"))
+
+    from services.simulator import cli as simulator_cli
+
+    simulator_cli.add_args(sub.add_parser("simulate", help="the scheduler on a simulated GPU, per KV policy"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "INFO").upper(),
         format="%(asctime)s %(levelname)s [%(processName)s %(name)s] %(message)s",
@@ -44,6 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         from services import launcher
 
         return launcher.run(args)
+    if args.command == "probe":
+        from services import probe
+
+        return probe.run(args)
+    if args.command == "simulate":
+        from services.simulator import cli as simulator_cli
+
+        return simulator_cli.run(args)
     return stage_module(args.stage).run(args) or 0
 
 

@@ -9,6 +9,9 @@ the gateway and the scheduler bind; tokenizer replicas and the executor connect.
     scheduler --PUSH executor_in-->  executor
     executor  --PUSH executor_out--> scheduler
     every stage --PUSH status-->     gateway           (heartbeats, scheduler stats)
+
+Each address comes from its option, else from $PAGEDSERVE_<NAME> (e.g.
+PAGEDSERVE_SCHEDULER_IN), else from $PAGEDSERVE_RUN_DIR's ipc:// sockets.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class Addresses:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, required=ADDRESS_NAMES) -> Addresses:
-        """The addresses given, the missing ones taken from $PAGEDSERVE_RUN_DIR if set.
+        """The addresses given, the missing ones from the environment (see the module doc).
 
         A stage names the ones it uses in `required`; the others may stay empty.
         """
@@ -44,7 +47,8 @@ class Addresses:
         fallback = cls.ipc(run_dir) if run_dir else None
         values = {}
         for name in ADDRESS_NAMES:
-            value = getattr(args, name, None) or (fallback and getattr(fallback, name))
+            value = getattr(args, name, None) or os.environ.get(address_env(name)) or (
+                fallback and getattr(fallback, name))
             if not value and name in required:
                 raise SystemExit(f"--{name.replace('_', '-')} is required (or set PAGEDSERVE_RUN_DIR)")
             values[name] = value
@@ -55,6 +59,10 @@ class Addresses:
         for f in fields(self):
             out += [f"--{f.name.replace('_', '-')}", getattr(self, f.name)]
         return out
+
+
+def address_env(name: str) -> str:
+    return f"PAGEDSERVE_{name.upper()}"
 
 
 def default_run_dir() -> str:

@@ -21,6 +21,23 @@ log = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()
 
 
+class FrameDecoder(Generic[T]):
+    """Decodes frames into one declared type; anything else is counted, logged and dropped."""
+
+    def __init__(self, msg_type: type[T], where: str):
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+        self.where = where
+        self.dropped = 0
+
+    def decode(self, frame: bytes) -> T | None:
+        try:
+            return self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.dropped += 1
+            log.warning("dropped malformed frame on %s: %s", self.where, exc)
+            return None
+
+
 def _open(ctx: zmq.Context, kind: int, address: str, bind: bool, opts: dict | None = None) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
@@ -39,16 +56,14 @@ class _Typed(Generic[T]):
     ):
         self.address = address
         self.sock = _open(ctx, kind, address, bind, opts)
-        self._decoder = msgspec.msgpack.Decoder(msg_type)
-        self.dropped = 0
+        self.decoder = FrameDecoder(msg_type, address)
+
+    @property
+    def dropped(self) -> int:
+        return self.decoder.dropped
 
     def _decode(self, frame: bytes) -> T | None:
-        try:
-            return self._decoder.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self.dropped += 1
-            log.warning("dropped malformed frame on %s: %s", self.address, exc)
-            return None
+        return self.decoder.decode(frame)
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -102,17 +117,23 @@ class RouterSocket(_Typed[T]):
     def __init__(
         self, ctx: zmq.Context, address: str, recv_type: type[T], send_type: type, *, bind: bool = True
     ):
-        super().__init__(ctx, zmq.ROUTER, address, recv_type, bind=bind, opts={zmq.ROUTER_MANDATORY: 1})
+        # HANDOVER: a peer that restarts under the same identity takes its name back at once.
+        opts = {zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1}
+        super().__init__(ctx, zmq.ROUTER, address, recv_type, bind=bind, opts=opts)
+        self._unreachable: set[bytes] = set()  # warned about once, until they answer again
 
     def send(self, peer: bytes, msg) -> bool:
         """False when the peer is gone (the message is dropped, the caller decides)."""
         try:
             self.sock.send_multipart([peer, _encoder.encode(msg)], flags=zmq.NOBLOCK)
+            self._unreachable.discard(peer)
             return True
         except (zmq.Again, zmq.ZMQError) as exc:
             if isinstance(exc, zmq.ZMQError) and exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise
-            log.warning("peer %r unreachable on %s", peer, self.address)
+            if peer not in self._unreachable:
+                self._unreachable.add(peer)
+                log.warning("peer %r unreachable on %s; dropping what is sent to it", peer, self.address)
             return False
 
     def recv_nowait(self) -> list[tuple[bytes, T]]:
@@ -123,7 +144,7 @@ class RouterSocket(_Typed[T]):
             except zmq.Again:
                 return out
             if len(frames) != 2:
-                self.dropped += 1
+                self.decoder.dropped += 1
                 log.warning("dropped frame with %d parts on %s", len(frames), self.address)
                 continue
             msg = self._decode(frames[1])
@@ -164,17 +185,13 @@ class AsyncPullSocket(Generic[T]):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, msg_type: type[T], *, bind: bool = True):
         self.address = address
         self.sock = _open(ctx, zmq.PULL, address, bind)
-        self._decoder = msgspec.msgpack.Decoder(msg_type)
-        self.dropped = 0
+        self.decoder = FrameDecoder(msg_type, address)
 
     async def recv(self) -> T:
         while True:
-            frame = await self.sock.recv()
-            try:
-                return self._decoder.decode(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                self.dropped += 1
-                log.warning("dropped malformed frame on %s: %s", self.address, exc)
+            msg = self.decoder.decode(await self.sock.recv())
+            if msg is not None:
+                return msg
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -46,7 +46,8 @@ def free_port() -> int:
 class ServerProcess:
     """`pagedserve serve` as a real process tree; stopped (and checked) on exit."""
 
-    def __init__(self, model: Path | str, run_dir: Path, extra: list[str], startup_timeout: float = 180):
+    def __init__(self, model: Path | str, run_dir: Path, extra: list[str], startup_timeout: float = 180,
+                 env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.run_dir = run_dir
@@ -54,10 +55,11 @@ class ServerProcess:
         self.cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model),
                     "--port", str(self.port), "--executor-threads", "2", *extra]
         self.startup_timeout = startup_timeout
+        self.env = env or {}
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> ServerProcess:
-        env = {**os.environ, "PAGEDSERVE_RUN_DIR": str(self.run_dir)}
+        env = {**os.environ, "PAGEDSERVE_RUN_DIR": str(self.run_dir), **self.env}
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -76,6 +78,10 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-8000:]
+
+    def stage_pid(self, stage: str) -> int:
+        """The pid of the ready replica of a stage, from /health."""
+        return stage_pid(self.url, stage)
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(get(self.url + "/metrics")[1])
@@ -99,6 +105,13 @@ class ServerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+
+
+def stage_pid(url: str, stage: str) -> int:
+    status, body = get(url + "/health")
+    replicas = [r for r in json.loads(body)["stages"][stage] if r["ready"]]
+    assert replicas, f"no ready {stage}: {body}"
+    return replicas[0]["pid"]
 
 
 def get(url: str, timeout: float = 10) -> tuple[int, str]:

@@ -5,7 +5,8 @@ the TextDeltas that come back into one JSON object or an SSE stream. A stream wa
 for the first message before it sends headers, so an error the pipeline finds early
 (prompt too long) is still a plain HTTP error; an error after that is an SSE error
 event followed by [DONE]. A handler that leaves early (client gone, timeout) aborts
-its request through the EngineClient.
+its request through the EngineClient. `Admission` decides first whether a request may
+enter at all (API key, draining, scheduler alive, queue bound).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 
 from aiohttp import web
 
+from services.gateway.admission import RETRY_AFTER_S, Admission
 from services.gateway.engine_client import EngineClient, EngineError, RequestStream, RequestTimeout
 from services.gateway.health import StageTracker
 from services.gateway.metrics import Metrics, RequestTimer
@@ -28,11 +30,12 @@ from services.gateway.openai_schema import (
     parse_json,
     usage,
 )
+from services.gateway.openapi import openapi_spec
+from services.gateway.options import DEFAULT_MAX_REQUEST_BYTES
 from shared.messages import TextDelta
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -41,12 +44,13 @@ def _dumps(obj) -> str:
 
 
 def error_response(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, dumps=_dumps)
+    return web.json_response(err.body(), status=err.status, dumps=_dumps, headers=err.headers)
 
 
 def _engine_api_error(exc: EngineError) -> ApiError:
     e = exc.err
-    return ApiError(e.message, e.status, e.param, e.error_type)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+    return ApiError(e.message, e.status, e.param, e.error_type, headers=headers)
 
 
 class Gateway:
@@ -59,8 +63,12 @@ class Gateway:
         model_names: set[str],
         request_timeout_s: float,
         model_root: str | None = None,
+        admission: Admission | None = None,
+        max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ):
         self.client, self.tracker, self.metrics = client, tracker, metrics
+        self.admission = admission or Admission(None, None, lambda: 0, lambda: True)
+        self.max_body_bytes = max_body_bytes
         self.served_model_name = served_model_name
         self.model_names = model_names | {served_model_name}
         self.timeout_s = request_timeout_s
@@ -68,15 +76,20 @@ class Gateway:
         self.created = int(time.time())
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self.admission.middleware()])
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics_page),
+            web.get("/openapi.json", self.openapi),
         ])
         return app
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        spec = openapi_spec(sorted(self.model_names), secured=self.admission.api_key is not None)
+        return web.json_response(spec, dumps=_dumps)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_completion)
@@ -102,9 +115,13 @@ class Gateway:
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         try:
-            parsed = parse(parse_json(await request.read()), self.model_names)
+            parsed = parse(parse_json(await self._read_body(request)), self.model_names)
         except ApiError as exc:
             return error_response(exc)
+        refused = self.admission.check_capacity()
+        if refused is not None:
+            self.metrics.rejected.labels(reason=refused.code or refused.error_type).inc()
+            return error_response(refused)
         request_id = new_request_id(parsed.kind)
         out = ResponseBuilder(
             parsed.kind, request_id, self.served_model_name, parsed.include_usage, parsed.return_token_ids
@@ -120,6 +137,13 @@ class Gateway:
             return error_response(_engine_api_error(exc))
         except RequestTimeout:
             return error_response(self._timeout_error())
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise ApiError(f"The request body is larger than {self.max_body_bytes} bytes.", 413,
+                           error_type="invalid_request_error", code="body_too_large") from exc
 
     def _timeout_error(self) -> ApiError:
         return ApiError(f"The request timed out after {self.timeout_s:g} s.", 504, error_type="timeout_error")

@@ -1,9 +1,16 @@
 """The gateway's side of the pipeline: send requests down, route the replies to their waiters.
 
-Each request in flight owns an asyncio.Queue. One reader task takes every message from
-gateway_in and puts it on its request's queue; messages for a request nobody waits for
-any more are dropped. A request left before its last message (client gone, timeout,
-handler cancelled) sends an AbortRequest, so the scheduler frees its KV blocks.
+Each request in flight is a RequestStream with its own asyncio.Queue. One reader task
+takes every message from gateway_in and puts it on its request's queue; messages for a
+request nobody waits for any more are dropped. A request left before its last message
+(client gone, timeout, handler cancelled, a stage lost) sends an AbortRequest, so the
+stages free what they hold for it.
+
+Recovery: a tokenizer replica acknowledges each request it takes (RequestAccepted, with
+its instance id). When the watchdog finds a replica dead, its requests, and those no
+replica has acknowledged yet, are sent again under a new pipeline id (the old one is
+aborted); `Replay` hides what the client already has. When the scheduler is lost, every
+request in flight ends with a 503 error.
 """
 
 from __future__ import annotations
@@ -11,14 +18,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import zmq.asyncio
 
+from services.gateway.replay import Replay, ReplayDiverged
 from shared.config import Addresses
 from shared.messages import (
     AbortRequest,
     GatewayToTokenizer,
     GenerateRequest,
+    RequestAccepted,
     RequestError,
     TextDelta,
     TokenizerToGateway,
@@ -28,10 +38,11 @@ from shared.transport import AsyncPullSocket, AsyncPushSocket
 log = logging.getLogger(__name__)
 
 ABORT_SEND_TIMEOUT_S = 5.0
+MAX_ATTEMPTS = 3  # a request is sent at most this many times
 
 
 class EngineError(Exception):
-    """The pipeline ended the request with a RequestError."""
+    """The request ended with a RequestError (from the pipeline or from the gateway)."""
 
     def __init__(self, err: RequestError):
         super().__init__(err.message)
@@ -42,16 +53,40 @@ class RequestTimeout(Exception):
     pass
 
 
+class _Retry:
+    """Queued to a stream whose tokenizer replica died."""
+
+
+class _Lost:
+    """Queued to a stream whose request a lost stage took with it."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+_RETRY = _Retry()
+
+
+def unavailable(request_id: str, message: str) -> RequestError:
+    return RequestError(request_id, 503, message, error_type="service_unavailable")
+
+
 class EngineClient:
-    def __init__(self, ctx: zmq.asyncio.Context, addrs: Addresses):
+    def __init__(self, ctx: zmq.asyncio.Context, addrs: Addresses, on_retry: Callable[[], None] = lambda: None):
         self._to_tokenizer = AsyncPushSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, bind=True)
         self._from_tokenizer = AsyncPullSocket(ctx, addrs.gateway_in, TokenizerToGateway, bind=True)
-        self._waiting: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, RequestStream] = {}  # by pipeline id
         self._aborts: set[asyncio.Task] = set()
+        self.on_retry = on_retry
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._waiting)
+        return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted that have not produced a token yet: the waiting queue."""
+        return sum(1 for s in self._streams.values() if not s.started)
 
     async def run_reader(self) -> None:
         while True:
@@ -63,9 +98,13 @@ class EngineClient:
                 log.exception("reading gateway_in failed")
                 await asyncio.sleep(0.1)
                 continue
-            queue = self._waiting.get(msg.request_id)
-            if queue is not None:
-                queue.put_nowait(msg)
+            stream = self._streams.get(msg.request_id)
+            if stream is None:
+                continue
+            if isinstance(msg, RequestAccepted):
+                stream.owner = msg.instance
+            else:
+                stream.queue.put_nowait(msg)
 
     def open(self, request: GenerateRequest, timeout_s: float) -> RequestStream:
         return RequestStream(self, request, time.monotonic() + timeout_s)
@@ -76,6 +115,19 @@ class EngineClient:
         task = asyncio.get_running_loop().create_task(asyncio.wait_for(send, ABORT_SEND_TIMEOUT_S))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
+
+    def replica_lost(self, instance: str) -> int:
+        """Retry the requests of a dead tokenizer replica, and the unacknowledged ones."""
+        hit = [s for s in self._streams.values() if s.sent and s.owner in (instance, None)]
+        for stream in hit:
+            stream.interrupt(_RETRY)
+        return len(hit)
+
+    def scheduler_lost(self, message: str) -> int:
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream.interrupt(_Lost(message))
+        return len(streams)
 
     def close(self) -> None:
         self._to_tokenizer.close()
@@ -89,27 +141,47 @@ class RequestStream:
         self._client = client
         self._request = request
         self._deadline = deadline
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self.request_id = request.request_id
+        self.request_id = request.request_id  # the client's; pipeline_id changes per attempt
+        self.pipeline_id = request.request_id
+        self.attempt = 0
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.owner: str | None = None  # instance of the tokenizer replica that took it
+        self.sent = False
+        self.started = False  # a token came back
         self.done = False  # the last message arrived: nothing to abort
+        self._interrupted = False  # this attempt already has a retry or a loss queued
+        self._replay = Replay(request.params)
 
     async def __aenter__(self) -> RequestStream:
-        self._client._waiting[self.request_id] = self._queue
+        self._client._streams[self.pipeline_id] = self
         try:
-            # Blocks while no tokenizer replica is connected; the deadline still holds.
-            await asyncio.wait_for(self._client._to_tokenizer.send(self._request), self._remaining())
-        except asyncio.TimeoutError as exc:
-            await self.__aexit__()  # harmless if it never left
-            raise RequestTimeout from exc
+            await self._send()
         except BaseException:
             await self.__aexit__()
             raise
         return self
 
     async def __aexit__(self, *exc) -> None:
-        self._client._waiting.pop(self.request_id, None)
+        self._client._streams.pop(self.pipeline_id, None)
         if not self.done:
-            self._client.abort(self.request_id)
+            self._client.abort(self.pipeline_id)
+
+    async def _send(self) -> None:
+        request = self._request
+        if self.attempt:
+            request = GenerateRequest(self.pipeline_id, request.params, request.prompt,
+                                      request.prompt_token_ids, request.messages)
+        try:
+            # Blocks while no tokenizer replica is connected; the deadline still holds.
+            await asyncio.wait_for(self._client._to_tokenizer.send(request), self._remaining())
+        except asyncio.TimeoutError as exc:
+            raise RequestTimeout from exc
+        self.sent = True
+
+    def interrupt(self, item: _Retry | _Lost) -> None:
+        if not self._interrupted and not self.done:
+            self._interrupted = True
+            self.queue.put_nowait(item)
 
     def _remaining(self) -> float:
         remaining = self._deadline - time.monotonic()
@@ -118,14 +190,48 @@ class RequestStream:
         return remaining
 
     async def next(self) -> TextDelta:
-        """The next TextDelta; raises EngineError for a RequestError, RequestTimeout past the deadline."""
-        try:
-            msg = await asyncio.wait_for(self._queue.get(), self._remaining())
-        except asyncio.TimeoutError as exc:
-            raise RequestTimeout from exc
-        if isinstance(msg, RequestError):
-            self.done = True
-            raise EngineError(msg)
-        if msg.finish_reason is not None:
-            self.done = True
-        return msg
+        """The next TextDelta; raises EngineError for an error, RequestTimeout past the deadline."""
+        while True:
+            try:
+                msg = await asyncio.wait_for(self.queue.get(), self._remaining())
+            except asyncio.TimeoutError as exc:
+                raise RequestTimeout from exc
+            if msg is _RETRY:
+                await self._retry()
+                continue
+            if isinstance(msg, _Lost):
+                raise EngineError(unavailable(self.request_id, msg.message))  # not done: aborted on exit
+            if isinstance(msg, RequestError):
+                self.done = True
+                raise EngineError(msg)
+            self.started = True
+            try:
+                delta = self._replay.filter(msg)
+            except ReplayDiverged as exc:
+                raise EngineError(unavailable(
+                    self.request_id, "The request was restarted after a tokenizer replica failed, and the "
+                    "restarted run diverged from the output already sent; please retry.")) from exc
+            if delta is None:
+                continue
+            if delta.finish_reason is not None:
+                self.done = True
+            return delta
+
+    async def _retry(self) -> None:
+        if self.attempt + 1 >= MAX_ATTEMPTS or not self._replay.can_restart():
+            why = ("it failed too often" if self._replay.can_restart()
+                   else "part of a sampled answer without a seed was already sent")
+            raise EngineError(unavailable(
+                self.request_id, f"The tokenizer replica serving this request failed and the request "
+                f"cannot be restarted: {why}. Please retry."))
+        log.warning("%s: tokenizer replica %s lost; sending the request again", self.request_id, self.owner)
+        self._client._streams.pop(self.pipeline_id, None)
+        self._client.abort(self.pipeline_id)
+        self.attempt += 1
+        self.pipeline_id = f"{self.request_id}-retry{self.attempt}"
+        self.queue = asyncio.Queue()
+        self.owner, self.sent, self._interrupted = None, False, False
+        self._replay.restart()
+        self._client._streams[self.pipeline_id] = self
+        self._client.on_retry()
+        await self._send()

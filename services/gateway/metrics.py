@@ -62,6 +62,18 @@ class Metrics:
             "pagedserve_decode_forward_seconds_total",
             "Part of the decode-only steps' wall time spent in the model's forward pass", registry=r,
         )
+        self.retries = Counter(
+            "pagedserve_request_retries_total", "Requests sent again because their tokenizer replica died",
+            registry=r,
+        )
+        self.lost = Counter(
+            "pagedserve_requests_lost_total", "Requests ended with a 503 because the scheduler was lost",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "pagedserve_requests_rejected_total", "Requests refused before entering the pipeline, by reason",
+            ["reason"], registry=r,
+        )
         self._totals_seen: dict[tuple[str, str], float] = {}
 
     def observe_scheduler(self, replica: str, stats: SchedulerStats) -> None:

@@ -37,6 +37,7 @@ _UNSUPPORTED = {
     "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1),
     "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -48,11 +49,13 @@ class ApiError(Exception):
         param: str | None = None,
         error_type: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.message, self.status, self.param, self.error_type, self.code = (
             message, status, param, error_type, code,
         )
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {
@@ -80,11 +83,19 @@ class ParsedRequest:
 
 def parse_json(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
-    except ValueError as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(f"The request body is not valid UTF-8: {exc}") from exc
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise ApiError(f"The request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise ApiError("The request body must be a JSON object.")
+    try:  # JSON escapes can spell unpaired surrogates, which no stage could encode
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError("The request body holds a string that is not valid Unicode (an unpaired surrogate).") from exc
     return body
 
 

@@ -1,8 +1,11 @@
 """The gateway stage process: bind the sockets, start the HTTP server on uvloop, serve.
 
-Two background tasks feed it: one routes gateway_in messages to their requests, one
-records the heartbeats arriving on the status socket. The gateway heartbeats through
-that same socket, so its own entry in /health proves the status path works.
+Three background tasks feed it: one routes gateway_in messages to their requests, one
+records the heartbeats arriving on the status socket (for /health and the watchdog),
+and one runs the watchdog that retries or fails the requests of a lost stage. The
+gateway heartbeats through that same socket, so its own entry in /health proves the
+status path works. SIGTERM drains: new requests get a 503, the ones in flight have
+--shutdown-timeout seconds to finish, then the process exits.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from services.gateway.admission import Admission, api_key_from
 from services.gateway.app import Gateway
 from services.gateway.engine_client import EngineClient
 from services.gateway.health import StageTracker
 from services.gateway.metrics import Metrics
+from services.gateway.options import add_exposure_args
+from services.gateway.watchdog import CHECK_INTERVAL_S, StageWatchdog
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
 from shared.heartbeat import HeartbeatThread
 from shared.messages import StatusToGateway
@@ -29,8 +35,6 @@ from shared.model_files import default_served_name
 from shared.transport import AsyncPullSocket
 
 log = logging.getLogger(__name__)
-
-SHUTDOWN_TIMEOUT_S = 5.0  # for requests in flight at SIGTERM; the launcher kills after 10 s
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -42,9 +46,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=600.0,
         help="seconds a request may take before it is aborted with a 504",
     )
+    add_exposure_args(parser)
     add_address_args(parser, required=False)
     add_log_args(parser)
-
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,17 +64,28 @@ async def serve(args: argparse.Namespace, addrs: Addresses) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     ctx = zmq.asyncio.Context()
-    client = EngineClient(ctx, addrs)
-    status = AsyncPullSocket(ctx, addrs.status, StatusToGateway, bind=True)
     metrics = Metrics()
+    client = EngineClient(ctx, addrs, on_retry=metrics.retries.inc)
+    status = AsyncPullSocket(ctx, addrs.status, StatusToGateway, bind=True)
     tracker = StageTracker(metrics.observe_scheduler)
+
+    def scheduler_lost(message: str) -> int:
+        n = client.scheduler_lost(message)
+        metrics.lost.inc(n)
+        return n
+
+    watchdog = StageWatchdog(client.replica_lost, scheduler_lost)
+    admission = Admission(api_key_from(args.api_key), args.max_queued_requests,
+                          lambda: client.num_waiting, lambda: watchdog.scheduler_available)
     served = args.served_model_name or default_served_name(args.model)
-    gateway = Gateway(client, tracker, metrics, served, {served, args.model}, args.request_timeout, args.model)
-    tasks = [loop.create_task(client.run_reader()), loop.create_task(_read_status(status, tracker))]
+    gateway = Gateway(client, tracker, metrics, served, {served, args.model}, args.request_timeout, args.model,
+                      admission, args.max_request_bytes)
+    tasks = [loop.create_task(client.run_reader()), loop.create_task(_read_status(status, tracker, watchdog)),
+             loop.create_task(_watch(watchdog))]
 
     access_log = logging.getLogger("aiohttp.access") if log.isEnabledFor(logging.DEBUG) else None
     runner = web.AppRunner(
-        gateway.make_app(), handler_cancellation=True, access_log=access_log, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+        gateway.make_app(), handler_cancellation=True, access_log=access_log, shutdown_timeout=args.shutdown_timeout
     )
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
@@ -78,12 +93,15 @@ async def serve(args: argparse.Namespace, addrs: Addresses) -> None:
     sync_ctx = zmq.Context()  # the heartbeat thread needs a plain socket
     heartbeat = HeartbeatThread(sync_ctx, addrs.status, "gateway", f"gateway-{os.getpid()}", lambda: "ready")
     heartbeat.start()
-    log.info("serving %s on http://%s:%d", served, args.host, args.port)
+    log.info("serving %s on http://%s:%d%s", served, args.host, args.port,
+             " (API key required)" if admission.api_key else "")
     try:
         await stop.wait()
+        admission.draining = True
+        log.info("draining: %d requests in flight get up to %g s", client.num_in_flight, args.shutdown_timeout)
     finally:
+        await runner.cleanup()  # stops listening, waits for the handlers up to shutdown_timeout
         heartbeat.stop()
-        await runner.cleanup()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -91,12 +109,23 @@ async def serve(args: argparse.Namespace, addrs: Addresses) -> None:
         status.close()  # the heartbeat thread owns its socket: sync_ctx is left to process exit
 
 
-async def _read_status(status: AsyncPullSocket, tracker: StageTracker) -> None:
+async def _read_status(status: AsyncPullSocket, tracker: StageTracker, watchdog: StageWatchdog) -> None:
     while True:
         try:
-            tracker.record(await status.recv())
+            beat = await status.recv()
+            tracker.record(beat)
+            watchdog.record(beat)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("reading status failed")
             await asyncio.sleep(0.1)
+
+
+async def _watch(watchdog: StageWatchdog) -> None:
+    while True:
+        await asyncio.sleep(CHECK_INTERVAL_S)
+        try:
+            watchdog.check()
+        except Exception:
+            log.exception("watchdog check failed")

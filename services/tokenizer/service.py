@@ -3,7 +3,9 @@
 Requests arrive round-robin from the gateway on tokenizer_in. This replica talks to
 the scheduler through a DEALER named after itself, so the scheduler's replies for the
 requests it forwarded come back to it. Scheduler messages are served first: they carry
-tokens users are waiting for, while a new prompt can wait a moment.
+tokens users are waiting for, while a new prompt can wait a moment. Each new request is
+acknowledged to the gateway with this process's instance id, so that the gateway can
+retry the requests of a replica that dies.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import threading
 
 import zmq
@@ -20,8 +23,14 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from services.tokenizer.prompts import PromptBuilder
 from services.tokenizer.stage import TokenizerStage
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
-from shared.heartbeat import HeartbeatThread
-from shared.messages import GatewayToTokenizer, SchedulerToTokenizer, TokenizerToGateway
+from shared.heartbeat import INSTANCE_ID, HeartbeatThread
+from shared.messages import (
+    GatewayToTokenizer,
+    GenerateRequest,
+    RequestAccepted,
+    SchedulerToTokenizer,
+    TokenizerToGateway,
+)
 from shared.model_files import resolve_model
 from shared.transport import DealerSocket, PullSocket, PushSocket, wait_readable
 
@@ -33,7 +42,7 @@ GATEWAY_BATCH = 8  # new requests taken per turn before looking at the scheduler
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     add_model_args(parser)
-    parser.add_argument("--replica", default=None, help="this replica's name (default tokenizer-<pid>)")
+    parser.add_argument("--replica", default=None, help="this replica's name (default tokenizer-<host>-<pid>)")
     parser.add_argument(
         "--max-model-len", type=int, default=None,
         help="context length to enforce (default: the model's max_position_embeddings)",
@@ -68,7 +77,8 @@ def _ids(value) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     addrs = Addresses.from_args(args)
-    replica = args.replica or f"tokenizer-{os.getpid()}"
+    # The host name tells apart replicas in containers, where every pid is 1.
+    replica = args.replica or f"tokenizer-{socket.gethostname()}-{os.getpid()}"
     state = "loading tokenizer"
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -87,7 +97,11 @@ def run(args: argparse.Namespace) -> int:
         from_gateway = PullSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, bind=False)
         log.info("%s ready: max_model_len=%d eos=%s", replica, prompts.max_model_len, eos)
         state = "ready"
-        _serve(stage, from_gateway, scheduler, stop)
+
+        def accepted(request_id: str) -> None:
+            to_gateway.send(RequestAccepted(request_id, replica, INSTANCE_ID))
+
+        _serve(stage, from_gateway, scheduler, stop, accepted)
     finally:
         heartbeat.stop()  # a daemon thread: it owns its socket, so the context is left to exit
         for sock in (from_gateway, to_gateway, scheduler):
@@ -96,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(stage: TokenizerStage, from_gateway: PullSocket, scheduler: DealerSocket, stop) -> None:
+def _serve(stage: TokenizerStage, from_gateway: PullSocket, scheduler: DealerSocket, stop, accepted) -> None:
     while not stop.is_set():
         busy = False
         for msg in scheduler.recv_nowait():
@@ -106,6 +120,8 @@ def _serve(stage: TokenizerStage, from_gateway: PullSocket, scheduler: DealerSoc
             msg = from_gateway.recv(timeout_ms=0)
             if msg is None:
                 break
+            if isinstance(msg, GenerateRequest):
+                accepted(msg.request_id)
             stage.handle_gateway(msg)
             busy = True
         if not busy:

@@ -1,0 +1,175 @@
+"""The OpenAPI 3.0 description of the gateway's HTTP API, served at /openapi.json.
+
+It states what `openai_schema` accepts (types, ranges, sizes) and every status a route
+can answer, so a fuzzer (schemathesis, in the tests) can check the server against it:
+schema-valid bodies must not cause a 5xx, invalid ones must get documented 4xx errors.
+"""
+
+from __future__ import annotations
+
+from services.gateway.openai_schema import (
+    CHAT_ROLES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
+
+_INT64_MAX = 2**63 - 1
+
+
+def _nullable(schema: dict) -> dict:
+    return {**schema, "nullable": True}
+
+
+def _error(description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _retry_after(description: str) -> dict:
+    return {**_error(description), "headers": {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}}
+
+
+_GENERATION_ERRORS = {
+    "400": _error("Invalid request: a field has a wrong type or range, or the prompt does not fit"),
+    "401": _error("Missing or wrong API key (when the server has one)"),
+    "404": _error("Unknown model"),
+    "413": _error("The request body is too large"),
+    "429": _retry_after("Too many requests are waiting"),
+    "503": _retry_after("Shutting down, or a stage of the pipeline is unavailable"),
+    "504": _error("The request timed out"),
+}
+
+_STOP = {"oneOf": [
+    {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS},
+    {"type": "array", "maxItems": MAX_STOP_STRINGS,
+     "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}},
+], "nullable": True}
+
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": _INT64_MAX}}
+
+
+def _sampling(model_names: list[str]) -> dict:
+    return {
+        "model": _nullable({"type": "string", "enum": model_names}),
+        "max_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": _INT64_MAX}),
+        "temperature": _nullable({"type": "number", "minimum": 0}),
+        "top_p": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1}),
+        "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": _INT64_MAX}),
+        "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": _INT64_MAX}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": 1}),
+        "stop": _STOP,
+        "stop_token_ids": _nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
+                                     "items": {"type": "integer", "minimum": 0, "maximum": _INT64_MAX}}),
+        "ignore_eos": _nullable({"type": "boolean"}),
+        "include_stop_str_in_output": _nullable({"type": "boolean"}),
+        "return_token_ids": _nullable({"type": "boolean"}),
+        "stream": _nullable({"type": "boolean"}),
+        "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
+        "user": {"type": "string"},
+    }
+
+
+def _completion_request(model_names: list[str]) -> dict:
+    prompt = {"oneOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]}
+    return {"type": "object", "required": ["prompt"],
+            "properties": {"prompt": prompt, **_sampling(model_names)}}
+
+
+def _chat_request(model_names: list[str]) -> dict:
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string", "enum": list(CHAT_ROLES)},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}], "nullable": True},
+        "name": {"type": "string"},
+    }}
+    return {"type": "object", "required": ["messages"], "properties": {
+        "messages": {"type": "array", "minItems": 1, "items": message},
+        "max_completion_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": _INT64_MAX}),
+        **_sampling(model_names),
+    }}
+
+
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"},
+}}
+
+
+def _response(obj: str, choice: dict) -> dict:
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+        "id": {"type": "string"}, "object": {"type": "string", "enum": [obj]}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "usage": _USAGE,
+        "choices": {"type": "array", "items": {"type": "object", "required": ["index", "finish_reason"],
+                                               "properties": {"index": {"type": "integer"}, **choice,
+                                                              "finish_reason": _nullable({"type": "string"})}}},
+    }}
+
+
+_SCHEMAS = {
+    "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": _nullable({"type": "string"}), "code": _nullable({"type": "string"})},
+    }}},
+    "Completion": _response("text_completion", {"text": {"type": "string"}}),
+    "ChatCompletion": _response("chat.completion", {"message": {
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}}),
+    "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
+        "object": {"type": "string", "enum": ["list"]},
+        "data": {"type": "array", "items": {"type": "object", "required": ["id", "object"],
+                                            "properties": {"id": {"type": "string"}, "object": {"type": "string"}}}},
+    }},
+    "Health": {"type": "object", "required": ["status", "not_ready", "stages"], "properties": {
+        "status": {"type": "string", "enum": ["ok", "unavailable"]},
+        "not_ready": {"type": "array", "items": {"type": "string"}},
+        "stages": {"type": "object"},
+    }},
+}
+
+
+def _generation(summary: str, request_schema: dict, response_ref: str) -> dict:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema}}},
+        "responses": {
+            "200": {"description": "The answer, whole (JSON) or streamed (server-sent events)", "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{response_ref}"}},
+                # one server-sent event: a JSON chunk in data, or [DONE] at the end
+                "text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                                 "properties": {"data": {"type": "string"}}}},
+            }},
+            **_GENERATION_ERRORS,
+        },
+    }}
+
+
+def openapi_spec(model_names: list[str], secured: bool) -> dict:
+    spec = {
+        "openapi": "3.0.3",
+        "info": {"title": "pagedserve", "version": "0.1.0",
+                 "description": "OpenAI-compatible completions and chat completions over PagedAttention."},
+        "paths": {
+            "/v1/completions": _generation("Complete a prompt", _completion_request(model_names), "Completion"),
+            "/v1/chat/completions": _generation("Answer a chat", _chat_request(model_names), "ChatCompletion"),
+            "/v1/models": {"get": {"summary": "The served model", "responses": {
+                "200": {"description": "Models", "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/ModelList"}}}},
+                "401": _GENERATION_ERRORS["401"],
+            }}},
+            "/health": {"get": {"summary": "Whether every stage is ready", "security": [], "responses": {
+                "200": {"description": "Every stage is ready",
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Health"}}}},
+                "503": {"description": "Some stage is not ready",
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Health"}}}},
+            }}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "security": [], "responses": {
+                "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            }}},
+        },
+        "components": {"schemas": _SCHEMAS},
+    }
+    if secured:
+        spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        spec["security"] = [{"bearer": []}]
+    return spec

@@ -1,0 +1,31 @@
+"""The gateway's exposure options, shared with the launcher that passes them through.
+
+Kept apart from the gateway's service module so that the launcher (imported by every
+`pagedserve` command) does not pull in aiohttp and uvloop.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
+DEFAULT_MAX_QUEUED = 1024
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+def add_exposure_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default ${API_KEY_ENV})")
+    parser.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED,
+                        help="requests that may wait for their first token; beyond, 429 with Retry-After")
+    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="seconds in-flight requests get to finish after SIGTERM")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="largest request body accepted (413 beyond)")
+
+
+def exposure_argv(args: argparse.Namespace) -> list[str]:
+    """The options for the gateway's command line; the API key travels in its environment."""
+    return ["--max-queued-requests", str(args.max_queued_requests), "--shutdown-timeout", str(args.shutdown_timeout),
+            "--max-request-bytes", str(args.max_request_bytes)]

@@ -1,0 +1,86 @@
+"""Turns the stages' heartbeats into recovery: which tokenizer replica and which scheduler died.
+
+A stage instance is lost when it sends no heartbeat for LOST_AFTER_S, or at once when a
+new instance shows up under the same name (a restart faster than that). A lost
+tokenizer replica's requests are retried on the others; a lost scheduler took every
+request in flight with it, so they all end with a 503, and new requests get a 503
+until a scheduler beats again. The executor needs nothing here: the scheduler
+recomputes what a restarted executor lost.
+
+A check that itself runs late (the event loop was stalled, so beats may sit unread in
+the socket) declares nothing, so a busy gateway does not mistake itself for a dead stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from shared.messages import Heartbeat
+
+log = logging.getLogger(__name__)
+
+LOST_AFTER_S = 3.0
+CHECK_INTERVAL_S = 0.25
+
+
+class StageWatchdog:
+    def __init__(
+        self,
+        on_tokenizer_lost: Callable[[str], int],
+        on_scheduler_lost: Callable[[str], int],
+        lost_after_s: float = LOST_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._on_tokenizer_lost = on_tokenizer_lost
+        self._on_scheduler_lost = on_scheduler_lost
+        self.lost_after_s = lost_after_s
+        self._clock = clock
+        self._tokenizers: dict[str, float] = {}  # instance -> last beat
+        self._tokenizer_names: dict[str, str] = {}  # replica name -> instance
+        self._scheduler: str | None = None  # instance
+        self._scheduler_seen = 0.0
+        self._scheduler_down = False
+        self._last_check: float | None = None
+
+    @property
+    def scheduler_available(self) -> bool:
+        return self._scheduler is not None and not self._scheduler_down
+
+    def record(self, beat: Heartbeat) -> None:
+        now = self._clock()
+        if beat.stage == "tokenizer":
+            old = self._tokenizer_names.get(beat.replica)
+            if old is not None and old != beat.instance:
+                self._tokenizer_lost(old, "restarted")
+            self._tokenizer_names[beat.replica] = beat.instance
+            self._tokenizers[beat.instance] = now
+        elif beat.stage == "scheduler":
+            if self._scheduler is not None and beat.instance != self._scheduler and not self._scheduler_down:
+                self._scheduler_lost("The scheduler restarted and lost the request; please retry.")
+            elif self._scheduler_down:
+                log.info("scheduler %s is back", beat.replica)
+            self._scheduler, self._scheduler_seen, self._scheduler_down = beat.instance, now, False
+
+    def check(self) -> None:
+        now = self._clock()
+        late = self._last_check is not None and now - self._last_check > self.lost_after_s / 2
+        self._last_check = now
+        if late:
+            return
+        for instance, seen in list(self._tokenizers.items()):
+            if now - seen > self.lost_after_s:
+                self._tokenizer_lost(instance, f"silent for {now - seen:.1f} s")
+        if self._scheduler is not None and not self._scheduler_down and now - self._scheduler_seen > self.lost_after_s:
+            self._scheduler_down = True
+            self._scheduler_lost("The scheduler stopped answering; the request was lost. Please retry.")
+
+    def _tokenizer_lost(self, instance: str, why: str) -> None:
+        self._tokenizers.pop(instance, None)
+        n = self._on_tokenizer_lost(instance)
+        log.warning("tokenizer instance %s lost (%s): retrying %d requests", instance, why, n)
+
+    def _scheduler_lost(self, message: str) -> None:
+        n = self._on_scheduler_lost(message)
+        log.warning("scheduler lost: failing %d requests in flight", n)

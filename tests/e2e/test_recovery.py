@@ -1,0 +1,162 @@
+"""Recovery under `pagedserve serve` on the tiny model, with real processes and kill -9.
+
+- Garbage frames on every socket the gateway and the scheduler bind: logged, dropped,
+  and the server keeps serving.
+- The executor dies under load: the launcher restarts it, the scheduler recomputes, and
+  every request completes with the output of an undisturbed run.
+- The scheduler dies under load: every request in flight ends with a 503 (or an error
+  event in its stream) in bounded time, /health turns unhealthy, and serving resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from shared.messages import Heartbeat, TextDelta
+from tests.e2e.load import dumps, greedy, prompts, run_load
+from tests.helpers import ServerProcess, get
+
+ERROR_BOUND_S = 15.0  # a request hit by a scheduler death ends within this
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    extra = ["--dtype", "float32", "--served-model-name", "tiny-llama"]
+    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("recovery"), extra) as srv:
+        yield srv
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def serves(server) -> bool:
+    results = asyncio.run(run_load(server.url, [greedy([5, 6, 7], 3)], []))
+    return results[0][0] == 200 and len(results[0][1]) == 3
+
+
+GARBAGE = [b"", b"\x00garbage\xff", os.urandom(64), msgspec.msgpack.encode({"type": "Nope", "x": 1}),
+           msgspec.msgpack.encode([1, 2, 3])]
+
+
+def test_garbage_frames_on_every_bound_socket_are_dropped(server):
+    ctx = zmq.Context()
+    wrong = {  # well-formed messages of a type the socket does not carry
+        "gateway-in": msgspec.msgpack.encode(Heartbeat("x", "x", 1, "ready", 0.0)),
+        "status": msgspec.msgpack.encode(TextDelta("x", "hi", 1, 1)),
+        "executor-out": msgspec.msgpack.encode(Heartbeat("x", "x", 1, "ready", 0.0)),
+        "scheduler-in": msgspec.msgpack.encode(TextDelta("x", "hi", 1, 1)),
+    }
+    try:
+        for name, frame in wrong.items():
+            address = f"ipc://{server.run_dir}/{name}.ipc"
+            kind = zmq.DEALER if name == "scheduler-in" else zmq.PUSH
+            sock = ctx.socket(kind)
+            sock.connect(address)
+            for junk in [*GARBAGE, frame]:
+                sock.send(junk)
+            if kind == zmq.DEALER:
+                sock.send_multipart([b"two", b"parts"])  # the router sees three frames
+    finally:
+        ctx.destroy(linger=1000)  # closes what an assertion may have left open, then waits for the sends
+    wait_until(lambda: server.log().count("dropped") >= 4 * len(GARBAGE), 10, "the drops to be logged")
+    for name in wrong:
+        assert f"{name}.ipc" in server.log(), name
+    assert serves(server)
+    assert get(server.url + "/health")[0] == 200
+
+
+def test_executor_killed_under_load_recomputes_every_request(server):
+    bodies = [greedy(p, 48) for p in prompts(10, seed=11)]
+    stream_bodies = [greedy(p, 48, stream=True) for p in prompts(2, seed=12)]
+    reference = asyncio.run(run_load(server.url, bodies, stream_bodies))
+    assert all(r[0] == 200 for r in reference), dumps(reference)
+    old_pid = server.stage_pid("executor")
+    preemptions = server.metrics()["pagedserve_num_preemptions_total"]
+
+    async def disturbed():
+        chunks = asyncio.Event()
+        task = asyncio.create_task(run_load(server.url, bodies, stream_bodies, on_chunk=chunks.set))
+        await asyncio.wait_for(chunks.wait(), 60)
+        os.kill(old_pid, signal.SIGKILL)
+        return await task
+
+    results = asyncio.run(disturbed())
+    assert results == reference, server.log()
+    new_pid = wait_until(lambda: server.stage_pid("executor"), 30, "a new executor")
+    assert new_pid != old_pid
+    assert server.metrics()["pagedserve_num_preemptions_total"] > preemptions  # recomputed, not restarted
+    server.wait_blocks_free()
+
+
+class HealthWatcher(threading.Thread):
+    """Polls /health as fast as it answers; remembers every status it saw."""
+
+    def __init__(self, port: int):
+        super().__init__(daemon=True)
+        self.port, self.seen, self.halt = port, set(), threading.Event()
+
+    def run(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        while not self.halt.is_set():
+            try:
+                conn.request("GET", "/health")
+                resp = conn.getresponse()
+                resp.read()
+                self.seen.add(resp.status)
+            except OSError:
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+            time.sleep(0.01)
+
+
+def test_scheduler_killed_under_load_fails_requests_clearly_and_serving_resumes(server):
+    bodies = [greedy(p, 400) for p in prompts(4, seed=21)]
+    stream_bodies = [greedy(p, 400, stream=True) for p in prompts(2, seed=22)]
+    old_pid = server.stage_pid("scheduler")
+    watcher = HealthWatcher(server.port)
+
+    async def disturbed():
+        chunks = asyncio.Event()
+        task = asyncio.create_task(run_load(server.url, bodies, stream_bodies, on_chunk=chunks.set))
+        await asyncio.wait_for(chunks.wait(), 60)
+        await asyncio.sleep(0.3)  # every request is in the scheduler by now
+        watcher.start()
+        os.kill(old_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        return await task, time.monotonic() - killed_at
+
+    results, ended_after_s = asyncio.run(disturbed())
+    assert ended_after_s < ERROR_BOUND_S, ended_after_s
+    for status, error_type, message in results[: len(bodies)]:
+        assert (status, error_type) == (503, "service_unavailable"), results
+        assert "scheduler" in message
+    for status, _ids, _text, error, done in results[len(bodies):]:
+        assert status == 200 and done, results  # the stream had started: an error event, then [DONE]
+        assert error["type"] == "service_unavailable" and "scheduler" in error["message"]
+
+    wait_until(lambda: get(server.url + "/health")[0] == 200, 30, "a healthy server again")
+    watcher.halt.set()
+    watcher.join(5)
+    assert 503 in watcher.seen, watcher.seen
+    assert server.stage_pid("scheduler") != old_pid
+    assert wait_until(lambda: serves(server), 30, "serving again")
+    health = json.loads(get(server.url + "/health")[1])
+    assert health["requests_in_flight"] == 0
+    assert server.metrics()["pagedserve_requests_lost_total"] >= len(bodies) + len(stream_bodies)

@@ -1,0 +1,82 @@
+"""compose.yaml's topology as plain processes on tcp:// loopback, two tokenizer replicas,
+the API key from the environment as compose passes it; then one replica is killed
+(kill -9) under load and every request still completes with the undisturbed output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.e2e.load import greedy, prompts, run_load, whole
+from tests.e2e.topology import ComposeTopology
+from tests.helpers import ROOT, get, parse_metrics
+
+KEY = "topology-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def topology(tiny_model_dir, tmp_path_factory):
+    env = {"PAGEDSERVE_API_KEY": KEY, "PAGEDSERVE_DTYPE": "float32"}
+    with ComposeTopology(tiny_model_dir, tmp_path_factory.mktemp("topology"), tokenizers=2, env=env) as topo:
+        yield topo
+
+
+def probe(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "probe", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_every_stage_serves_over_tcp_with_two_tokenizer_replicas(topology):
+    status, body = get(topology.url + "/health")
+    health = json.loads(body)
+    assert status == 200, health
+    replicas = {r["replica"] for r in health["stages"]["tokenizer"] if r["ready"]}
+    assert len(replicas) == 2, health
+    for name, path in topology.health_files.items():  # the compose health checks, against these stages
+        result = probe("--file", str(path))
+        assert result.returncode == 0, (name, result.stderr)
+    assert probe("--url", topology.url + "/health").returncode == 0
+
+    async def go():
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s:
+            refused = await whole(s, topology.url, greedy([5, 6, 7], 4))
+            ok = [await whole(s, topology.url, greedy([5, 6, 7 + i], 4), AUTH) for i in range(4)]
+            return refused, ok
+
+    refused, ok = asyncio.run(go())
+    assert refused[0] == 401 and refused[1] == "authentication_error"
+    assert all(r[0] == 200 and len(r[1]) == 4 for r in ok), ok
+
+
+def test_a_killed_tokenizer_replicas_requests_are_retried_on_the_other(topology):
+    bodies = [greedy(p, 40) for p in prompts(10, seed=3)]
+    stream_bodies = [greedy(p, 40, stream=True) for p in prompts(4, seed=4)]
+    reference = asyncio.run(run_load(topology.url, bodies, stream_bodies, AUTH))
+    assert all(r[0] == 200 for r in reference), reference
+    retries_before = parse_metrics(get(topology.url + "/metrics")[1])["pagedserve_request_retries_total"]
+
+    async def disturbed():
+        chunks = asyncio.Event()
+        task = asyncio.create_task(run_load(topology.url, bodies, stream_bodies, AUTH, on_chunk=chunks.set))
+        await asyncio.wait_for(chunks.wait(), 60)
+        topology.kill("tokenizer-0")
+        killed_at = time.monotonic()
+        results = await task
+        return results, time.monotonic() - killed_at
+
+    results, after_kill_s = asyncio.run(disturbed())
+    assert results == reference, topology.log("gateway")
+    assert all(r[3] is None and r[4] for r in results[len(bodies):])  # streams: no error, ended with [DONE]
+    retries = parse_metrics(get(topology.url + "/metrics")[1])["pagedserve_request_retries_total"]
+    assert retries > retries_before, topology.log("gateway")
+    assert after_kill_s < 60
+    status, body = get(topology.url + "/health")
+    assert status == 200, body  # one replica is enough

@@ -1,0 +1,253 @@
+"""The gateway's recovery and admission logic without processes: Replay, StageWatchdog,
+Admission, and the EngineClient's retry of a lost replica's requests over real
+(in-process) ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from services.gateway.admission import Admission, api_key_from
+from services.gateway.engine_client import EngineClient, EngineError
+from services.gateway.replay import Replay, ReplayDiverged
+from services.gateway.watchdog import StageWatchdog
+from shared.config import Addresses
+from shared.messages import (
+    AbortRequest,
+    GatewayToTokenizer,
+    GenerateRequest,
+    Heartbeat,
+    RequestAccepted,
+    SamplingParams,
+    TextDelta,
+    TokenizerToGateway,
+)
+from shared.transport import PullSocket, PushSocket
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
+
+
+def delta(text, ids, n_out, finish=None, rid="r"):
+    return TextDelta(rid, text, 3, n_out, finish, ids)
+
+
+# --- Replay -----------------------------------------------------------------------------
+
+
+def test_replay_swallows_what_the_client_already_has():
+    replay = Replay(GREEDY)
+    assert replay.filter(delta("Hel", [1], 1)) is not None
+    assert replay.filter(delta("lo", [2], 2)) is not None
+    replay.restart()
+    assert replay.filter(delta("Hel", [1], 1)) is None
+    # a delta straddling the boundary passes only its new part
+    out = replay.filter(delta("lo wo", [2, 3], 3))
+    assert (out.text, out.token_ids, out.num_output_tokens) == (" wo", [3], 3)
+    out = replay.filter(delta("rld", [4], 4, "length"))
+    assert (out.text, out.finish_reason) == ("rld", "length")
+
+
+def test_replay_detects_divergence_and_refuses_unseeded_samples_already_sent():
+    replay = Replay(GREEDY)
+    replay.filter(delta("a", [1], 1))
+    replay.restart()
+    with pytest.raises(ReplayDiverged):
+        replay.filter(delta("b", [9], 1))
+
+    sampled = Replay(SamplingParams(temperature=0.8))
+    assert sampled.can_restart()  # nothing sent yet: any run is as good
+    sampled.filter(delta("x", [5], 1))
+    assert not sampled.can_restart()
+    assert Replay(SamplingParams(temperature=0.8, seed=3)).can_restart()
+
+
+# --- StageWatchdog ----------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def beat(stage, replica, instance, state="ready"):
+    return Heartbeat(stage, replica, 1, state, 0.0, None, instance)
+
+
+def make_watchdog():
+    clock, lost = Clock(), {"tokenizer": [], "scheduler": []}
+    dog = StageWatchdog(lambda i: lost["tokenizer"].append(i) or 0,
+                        lambda m: lost["scheduler"].append(m) or 0, lost_after_s=3.0, clock=clock)
+    return dog, clock, lost
+
+
+def tick(dog, clock, seconds, step=0.25, keep=()):
+    """Advance time in watchdog-sized steps, with the stages in keep still beating."""
+    for _ in range(int(seconds / step)):
+        clock.now += step
+        for b in keep:
+            dog.record(b)
+        dog.check()
+
+
+def test_watchdog_finds_a_silent_tokenizer_and_a_restarted_one():
+    dog, clock, lost = make_watchdog()
+    t0, t1, sched = beat("tokenizer", "t0", "A"), beat("tokenizer", "t1", "B"), beat("scheduler", "s", "S")
+    for b in (t0, t1, sched):
+        dog.record(b)
+    tick(dog, clock, 2.0, keep=(t1, sched))
+    assert lost["tokenizer"] == []
+    tick(dog, clock, 1.5, keep=(t1, sched))
+    assert lost["tokenizer"] == ["A"]  # silent past 3 s
+    dog.record(beat("tokenizer", "t1", "C"))  # t1 restarted faster than that
+    assert lost["tokenizer"] == ["A", "B"]
+    assert lost["scheduler"] == [] and dog.scheduler_available
+
+
+def test_watchdog_fails_requests_once_when_the_scheduler_goes_and_admits_again_when_back():
+    dog, clock, lost = make_watchdog()
+    assert not dog.scheduler_available  # none seen yet
+    dog.record(beat("scheduler", "s", "S1"))
+    tick(dog, clock, 4.0)
+    assert len(lost["scheduler"]) == 1 and not dog.scheduler_available
+    tick(dog, clock, 4.0)
+    assert len(lost["scheduler"]) == 1
+    dog.record(beat("scheduler", "s", "S2", "waiting for executor"))
+    assert dog.scheduler_available and len(lost["scheduler"]) == 1  # nothing was admitted meanwhile
+    dog.record(beat("scheduler", "s", "S3"))  # a restart quicker than the timeout
+    assert len(lost["scheduler"]) == 2
+
+
+def test_a_late_check_declares_nothing():
+    dog, clock, lost = make_watchdog()
+    dog.record(beat("tokenizer", "t0", "A"))
+    dog.check()
+    clock.now += 10  # the event loop stalled: beats may be waiting unread
+    dog.check()
+    assert lost["tokenizer"] == []
+    clock.now += 0.25
+    dog.check()
+    assert lost["tokenizer"] == ["A"]
+
+
+# --- Admission --------------------------------------------------------------------------
+
+
+class FakeRequest:
+    def __init__(self, path, auth=None):
+        self.path = path
+        self.headers = {"Authorization": auth} if auth else {}
+
+
+def test_api_key_guards_v1_routes_only(monkeypatch):
+    adm = Admission("s3cret", None, lambda: 0, lambda: True)
+    assert adm.check_key(FakeRequest("/v1/completions")).status == 401
+    assert adm.check_key(FakeRequest("/v1/models", "Bearer wrong")).status == 401
+    assert adm.check_key(FakeRequest("/v1/models", "Bearer s3cret")) is None
+    assert adm.check_key(FakeRequest("/health")) is None
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")
+    assert api_key_from(None) == "from-env" and api_key_from("flag") == "flag"
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "")
+    assert api_key_from(None) is None
+
+
+def test_capacity_refusals_in_order():
+    waiting, scheduler = [0], [True]
+    adm = Admission(None, 2, lambda: waiting[0], lambda: scheduler[0])
+    assert adm.check_capacity() is None
+    waiting[0] = 2
+    err = adm.check_capacity()
+    assert err.status == 429 and err.headers["Retry-After"] == "1"
+    scheduler[0] = False
+    assert adm.check_capacity().status == 503
+    adm.draining = True
+    err = adm.check_capacity()
+    assert err.status == 503 and "shutting down" in err.message
+
+
+# --- EngineClient retry, over real sockets ------------------------------------------------
+
+
+class FakeTokenizer:
+    """Plays a tokenizer replica with the test's own sockets: takes requests, answers."""
+
+    def __init__(self, ctx, addrs, instance):
+        self.inbox = PullSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, bind=False)
+        self.out = PushSocket(ctx, addrs.gateway_in, TokenizerToGateway, bind=False)
+        self.instance = instance
+        self.received: list = []
+
+    async def take(self, kind=GenerateRequest):
+        for _ in range(200):
+            self.received += self.inbox.recv_nowait()
+            for msg in self.received:
+                if isinstance(msg, kind):
+                    self.received.remove(msg)
+                    return msg
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"no {kind.__name__}")
+
+
+@pytest.fixture()
+def contexts():
+    ctx, sync = zmq.asyncio.Context(), zmq.Context()
+    yield ctx, sync
+    # destroy closes every socket first: a context left to the garbage collector would
+    # block in term() on its open sockets, wherever the collection happens to run
+    ctx.destroy(linger=0)
+    sync.destroy(linger=0)
+
+
+def test_a_lost_replicas_stream_is_resent_and_resumes_without_repeating(tmp_path, contexts):
+    async def go():
+        ctx, sync = contexts
+        addrs = Addresses.ipc(str(tmp_path))
+        retries = []
+        client = EngineClient(ctx, addrs, on_retry=lambda: retries.append(1))
+        reader = asyncio.get_running_loop().create_task(client.run_reader())
+        tok = FakeTokenizer(sync, addrs, "dead")
+        req = GenerateRequest("cmpl-1", GREEDY, prompt="hi")
+        async with client.open(req, 10) as stream:
+            got = await tok.take()
+            tok.out.send(RequestAccepted(got.request_id, "t0", "dead"))
+            tok.out.send(delta("Hel", [1], 1, rid=got.request_id))
+            assert (await stream.next()).text == "Hel"
+            assert client.replica_lost("other") == 0
+            assert client.replica_lost("dead") == 1
+            retry_task = asyncio.get_running_loop().create_task(stream.next())
+            abort = await tok.take(AbortRequest)
+            again = await tok.take()
+            assert abort.request_id == "cmpl-1" and again.request_id == "cmpl-1-retry1"
+            assert again.params == GREEDY and again.prompt == "hi"
+            for msg in (delta("Hel", [1], 1, rid=again.request_id), delta("lo", [2], 2, "length", again.request_id)):
+                tok.out.send(msg)
+            last = await retry_task
+            assert (last.text, last.token_ids, last.finish_reason) == ("lo", [2], "length")
+        assert retries == [1] and client.num_in_flight == 0
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+    asyncio.run(go())
+
+
+def test_scheduler_loss_ends_every_request_with_503(tmp_path, contexts):
+    async def go():
+        ctx, sync = contexts
+        addrs = Addresses.ipc(str(tmp_path))
+        client = EngineClient(ctx, addrs)
+        tok = FakeTokenizer(sync, addrs, "t")
+        async with client.open(GenerateRequest("cmpl-2", GREEDY, prompt="hi"), 10) as stream:
+            await tok.take()
+            assert client.num_waiting == 1
+            assert client.scheduler_lost("gone") == 1
+            with pytest.raises(EngineError) as info:
+                await stream.next()
+            assert info.value.err.status == 503 and info.value.err.message == "gone"
+        assert (await tok.take(AbortRequest)).request_id == "cmpl-2"  # the tokenizer forgets it
+
+    asyncio.run(go())
