@@ -219,6 +219,7 @@ class SchedulerStats(Struct):
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_total: int = 0
+    block_size: int = 16
     kv_blocks_used: int = 0
     num_preemptions_total: int = 0
     num_steps_total: int = 0

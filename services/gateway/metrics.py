@@ -74,6 +74,22 @@ class Metrics:
             "pagedserve_requests_rejected_total", "Requests refused before entering the pipeline, by reason",
             ["reason"], registry=r,
         )
+        self.blocks_cached = Gauge(
+            "pagedserve_kv_blocks_cached", "Cached KV blocks no request holds (prefix cache, evictable)", registry=r)
+        self.blocks_saved = Gauge(
+            "pagedserve_kv_blocks_saved_by_sharing", "Block-table entries served by blocks shared with others",
+            registry=r)
+        self.kv_slots = Gauge(
+            "pagedserve_kv_slots", "KV pool token slots by the PagedAttention paper's Figure 2 category",
+            ["category"], registry=r)
+        self.prefix_queries = Counter(
+            "pagedserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter(
+            "pagedserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
+        self.swapped_out = Counter(
+            "pagedserve_num_swapped_out", "Preemptions that moved a sequence's KV to host memory", registry=r)
+        self.swapped_in = Counter(
+            "pagedserve_num_swapped_in", "Swapped-out sequences whose KV came back", registry=r)
         self._totals_seen: dict[tuple[str, str], float] = {}
 
     def observe_scheduler(self, replica: str, stats: SchedulerStats) -> None:
@@ -86,6 +102,19 @@ class Metrics:
         self._mirror(replica, self.decode_steps, stats.decode_steps_total)
         self._mirror(replica, self.decode_step_seconds, stats.decode_step_seconds_total)
         self._mirror(replica, self.decode_forward_seconds, stats.decode_forward_seconds_total)
+        self._mirror(replica, self.prefix_queries, stats.prefix_cache_queries_total)
+        self._mirror(replica, self.prefix_hits, stats.prefix_cache_hits_total)
+        self._mirror(replica, self.swapped_out, stats.num_swapped_out_total)
+        self._mirror(replica, self.swapped_in, stats.num_swapped_in_total)
+        self.blocks_cached.set(stats.kv_blocks_cached)
+        self.blocks_saved.set(stats.kv_blocks_saved_by_sharing)
+        free = stats.kv_blocks_total * stats.block_size - (
+            stats.kv_slots_token_states + stats.kv_slots_reserved + stats.kv_slots_internal_frag
+            + stats.kv_slots_external_frag)
+        for category, slots in (("token_states", stats.kv_slots_token_states), ("reserved", stats.kv_slots_reserved),
+                                ("internal_fragmentation", stats.kv_slots_internal_frag),
+                                ("external_fragmentation", stats.kv_slots_external_frag), ("free", free)):
+            self.kv_slots.labels(category).set(slots)
 
     def _mirror(self, replica: str, counter: Counter, total: float) -> None:
         """Advance a counter to a running total the scheduler reports; a smaller total

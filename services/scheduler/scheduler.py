@@ -353,6 +353,7 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_blocks_total=self.blocks.num_blocks,
+            block_size=self.blocks.block_size,
             kv_blocks_used=self.blocks.num_used_blocks,
             num_preemptions_total=self.num_preemptions_total,
             num_steps_total=self.num_steps_total,

@@ -168,3 +168,16 @@ def test_small_pool_preempts_and_still_matches(tiny_model_dir, tmp_path):
         metrics = server.wait_blocks_free()
         assert metrics["pagedserve_num_preemptions_total"] > 0, server.log()
     check_equal_to_hf(tiny_model_dir, batch, results, max_tokens=40)
+
+
+def test_prefix_cache_hits_keep_greedy_output_and_show_in_metrics(tiny_server):
+    prompt = prompts(1, seed=42)[0] * 3  # long enough for several full blocks
+    before = tiny_server.metrics()
+    first = asyncio.run(complete_all(tiny_server.url, [greedy_body(prompt)]))[0]
+    second = asyncio.run(complete_all(tiny_server.url, [greedy_body(prompt)]))[0]
+    assert first[1]["choices"][0]["token_ids"] == second[1]["choices"][0]["token_ids"]
+    after = tiny_server.wait_blocks_free()
+    hits = after["pagedserve_prefix_cache_hits_total"] - before.get("pagedserve_prefix_cache_hits_total", 0)
+    assert hits >= (len(prompt) - 1) // 16 * 16
+    assert after["pagedserve_kv_blocks_cached"] > 0
+    assert after['pagedserve_kv_slots{category="free"}'] == after["pagedserve_kv_blocks_total"] * 16
