@@ -1,0 +1,10 @@
+"""Peers: the servers users would pick instead of pagedserve, started the same way on 127.0.0.1.
+
+- `pagedserve`: this project's server (`pagedserve serve --model smollm2 --dtype float32`);
+- `transformers`, `transformers-cb`: `transformers serve` without and with
+  `--continuous-batching` (transformers_serve.py);
+- `llamacpp`: llama.cpp's C++ server with parallel slots and continuous batching, from the
+  `xllamacpp` wheel (llamacpp_server.py).
+All serve SmolLM2-135M-Instruct. The non-pagedserve ones run in their own venv
+(`bash loadgen/peers/setup_venv.sh` makes `.venv-peers`); launch.py starts and stops them.
+"""

@@ -1,0 +1,110 @@
+"""Start a peer as a process group on a free 127.0.0.1 port, wait until it answers, stop it.
+
+pagedserve runs from this interpreter; the others from the peers' venv, with the model
+files this venv resolves (`resolve_model("smollm2")` and the GGUF it was converted from),
+so every peer reads the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KINDS = ("pagedserve", "transformers", "transformers-cb", "llamacpp")
+
+
+def peers_python() -> Path:
+    venv = Path(os.environ.get("LOADGEN_PEERS_VENV", ROOT / ".venv-peers"))
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"no peers venv at {venv}: run `bash loadgen/peers/setup_venv.sh` first")
+    return python
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(kind: str, port: int, threads: int | None = None) -> list[str]:
+    """The command line; `threads` sets every server's compute threads alike (default: its own)."""
+    from shared.model_files import resolve_model, smollm2_gguf_path
+
+    extra = [] if threads is None else [f"--{'executor-threads' if kind == 'pagedserve' else 'threads'}", str(threads)]
+    if kind == "pagedserve":
+        return [sys.executable, "-m", "services.cli", "serve", "--model", "smollm2", "--port", str(port),
+                "--dtype", "float32", *extra]
+    if kind in ("transformers", "transformers-cb"):
+        cmd = [str(peers_python()), "-m", "loadgen.peers.transformers_serve", "--port", str(port),
+               "--model-dir", str(resolve_model("smollm2"))]
+        return cmd + (["--continuous-batching"] if kind == "transformers-cb" else []) + extra
+    if kind == "llamacpp":
+        return [str(peers_python()), "-m", "loadgen.peers.llamacpp_server", "--port", str(port),
+                "--gguf", str(smollm2_gguf_path()), *extra]
+    raise ValueError(f"unknown peer {kind!r}; choose from {', '.join(KINDS)}")
+
+
+class Peer:
+    """`with Peer("llamacpp", log_dir) as peer:` ... `peer.url`."""
+
+    def __init__(self, kind: str, log_dir: Path, port: int | None = None, threads: int | None = None,
+                 startup_timeout: float = 300.0) -> None:
+        self.kind = kind
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = command(kind, self.port, threads)
+        self.log_path = Path(log_dir) / f"peer-{kind}.log"
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Peer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"peer {self.kind} exited at start-up; see {self.log_path}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    healthy = resp.status == 200
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as resp:
+                    if healthy and resp.status == 200 and json.load(resp).get("data"):
+                        return
+            except (OSError, ValueError, urllib.error.URLError):
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"peer {self.kind} not ready after {self.startup_timeout:g}s; see {self.log_path}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
