@@ -59,7 +59,8 @@ GatewayToTokenizer = GenerateRequest | AbortRequest
 
 
 class TextDelta(Struct, tag=True):
-    """New text of one request. finish_reason set means this is the last message."""
+    """New text of one sequence of a request (seq_index: which of its n choices);
+    finish_reason set means this is that sequence's last message."""
 
     request_id: str
     text: str
@@ -67,6 +68,7 @@ class TextDelta(Struct, tag=True):
     num_output_tokens: int
     finish_reason: str | None = None
     token_ids: list[int] = []  # the output tokens this delta covers, shown in text or not
+    seq_index: int = 0
 
 
 class RequestError(Struct, tag=True):

@@ -102,7 +102,7 @@ def test_stop_string_finishes_at_scheduler_and_drops_later_deltas(stage, tok):
         stage.handle_scheduler(TokenDelta("r1", [i], 1))
     assert "".join(m.text for m in stage.gateway) == "go go "
     assert stage.gateway[-1].finish_reason == "stop"
-    assert stage.scheduler[-1] == FinishRequest("r1", "stop")
+    assert stage.scheduler[-1] == FinishRequest("r1", "stop", seq_index=0)
     sent = len(stage.gateway)
     stage.handle_scheduler(TokenDelta("r1", [5], 1, finish_reason="stop"))
     assert len(stage.gateway) == sent
@@ -125,7 +125,7 @@ def test_scheduler_error_is_forwarded(stage):
 def test_a_failure_is_a_500_for_that_request_only(stage):
     generate(stage, "bad", prompt="x")
     generate(stage, "good", prompt="y")
-    stage.active["bad"].detok.step = None  # makes the next delta of "bad" raise
+    stage.active["bad"].detok(0).step = None  # makes the next delta of "bad" raise
     stage.handle_scheduler(TokenDelta("bad", [5], 1))
     err = stage.gateway[-1]
     assert isinstance(err, RequestError) and err.request_id == "bad" and err.status == 500

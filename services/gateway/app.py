@@ -124,9 +124,10 @@ class Gateway:
             return error_response(refused)
         request_id = new_request_id(parsed.kind)
         out = ResponseBuilder(
-            parsed.kind, request_id, self.served_model_name, parsed.include_usage, parsed.return_token_ids
+            parsed.kind, request_id, self.served_model_name, parsed.include_usage, parsed.return_token_ids,
+            num_choices=parsed.params.n,
         )
-        timer = self.metrics.track()
+        timer = self.metrics.track(parsed.params.n)
         try:
             async with self.client.open(parsed.to_generate(request_id), self.timeout_s) as stream:
                 first = await stream.next()
@@ -151,16 +152,18 @@ class Gateway:
     async def _collect(
         self, stream: RequestStream, msg: TextDelta, out: ResponseBuilder, timer: RequestTimer
     ) -> web.Response:
-        texts, token_ids = [], []
+        n = len(out.choices)
+        texts: list[list[str]] = [[] for _ in range(n)]
+        token_ids: list[list[int]] = [[] for _ in range(n)]
         while True:
             timer.on_delta(msg)
-            texts.append(msg.text)
-            token_ids += msg.token_ids
-            if msg.finish_reason is not None:
+            texts[msg.seq_index].append(msg.text)
+            token_ids[msg.seq_index] += msg.token_ids
+            if out.record(msg):
                 break
             msg = await stream.next()
-        usage_ = usage(msg.num_prompt_tokens, msg.num_output_tokens)
-        body = out.full("".join(texts), msg.finish_reason, usage_, token_ids)
+        choices = [("".join(t), c.finish_reason, ids) for t, c, ids in zip(texts, out.choices, token_ids, strict=True)]
+        body = out.full(choices, usage(msg.num_prompt_tokens, out.num_output_tokens))
         return web.json_response(body, dumps=_dumps)
 
     async def _stream(
@@ -182,16 +185,19 @@ class Gateway:
         try:
             try:
                 if out.kind == "chat":
-                    await send(out.chunk("", role=True))
+                    for index in range(len(out.choices)):
+                        await send(out.chunk("", role=True, index=index))
                 while True:
                     timer.on_delta(msg)
+                    done = out.record(msg)
                     if msg.text or msg.finish_reason is not None or (out.return_token_ids and msg.token_ids):
-                        await send(out.chunk(msg.text, msg.finish_reason, token_ids=msg.token_ids))
-                    if msg.finish_reason is not None:
+                        await send(out.chunk(msg.text, msg.finish_reason, token_ids=msg.token_ids,
+                                             index=msg.seq_index))
+                    if done:
                         break
                     msg = await stream.next()
                 if out.include_usage:
-                    await send(out.usage_chunk(usage(msg.num_prompt_tokens, msg.num_output_tokens)))
+                    await send(out.usage_chunk(usage(msg.num_prompt_tokens, out.num_output_tokens)))
             except EngineError as exc:
                 await send(_engine_api_error(exc).body())
             except RequestTimeout:

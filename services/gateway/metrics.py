@@ -124,8 +124,8 @@ class Metrics:
         counter.inc(total - seen if total >= seen else total)
         self._totals_seen[key] = total
 
-    def track(self) -> RequestTimer:
-        return RequestTimer(self)
+    def track(self, num_choices: int = 1) -> RequestTimer:
+        return RequestTimer(self, num_choices)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -134,19 +134,20 @@ class Metrics:
 class RequestTimer:
     """Latency and token accounting of one request, fed with its TextDeltas."""
 
-    def __init__(self, metrics: Metrics):
+    def __init__(self, metrics: Metrics, num_choices: int = 1):
         self.m = metrics
         self.start = time.monotonic()
         self._last: float | None = None
         self._prompt_counted = False
-        self._tokens = 0
+        self._tokens: dict[int, int] = {}  # by choice index
+        self._unfinished = num_choices
 
     def on_delta(self, msg: TextDelta) -> None:
         now = time.monotonic()
         if not self._prompt_counted:
             self.m.prompt_tokens.inc(msg.num_prompt_tokens)
             self._prompt_counted = True
-        new = msg.num_output_tokens - self._tokens
+        new = msg.num_output_tokens - self._tokens.get(msg.seq_index, 0)
         if new > 0:
             self.m.generation_tokens.inc(new)
             if self._last is None:
@@ -155,7 +156,9 @@ class RequestTimer:
                 for _ in range(new):
                     self.m.itl.observe((now - self._last) / new)
             self._last = now
-            self._tokens = msg.num_output_tokens
+            self._tokens[msg.seq_index] = msg.num_output_tokens
         if msg.finish_reason is not None:
-            self.m.success.labels(finish_reason=msg.finish_reason).inc()
-            self.m.e2e.observe(now - self.start)
+            self._unfinished -= 1
+            if self._unfinished == 0:
+                self.m.success.labels(finish_reason=msg.finish_reason).inc()
+                self.m.e2e.observe(now - self.start)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from shared.messages import ChatMessage, GenerateRequest, SamplingParams
 
+MAX_N = 16  # parallel samples or beams per request
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -179,13 +180,8 @@ def _check_common(body: dict, model_names: set[str]) -> None:
                 param="model", code="model_not_found",
             )
     n = _integer(body, "n", 1)
-    if n < 1:
-        raise ApiError("'n' must be at least 1.", param="n")
-    if n > 1:
-        raise ApiError(
-            "n > 1 is not supported yet: parallel sampling will come with KV block sharing. "
-            "Send n separate requests instead.", param="n",
-        )
+    if not 1 <= n <= MAX_N:
+        raise ApiError(f"'n' must be between 1 and {MAX_N}, got {n}.", param="n")
     for name, unused in _UNSUPPORTED.items():
         if body.get(name) not in unused:
             raise ApiError(f"'{name}' is not supported by this server.", param=name)
@@ -208,7 +204,16 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
     top_k = _integer(body, "top_k", 0)
     if top_k < -1:
         raise ApiError(f"'top_k' must be -1 or 0 (no cut) or positive, got {top_k}.", param="top_k")
+    n = _integer(body, "n", 1)
+    beam = _boolean(body, "use_beam_search", False)
+    beam_width = _integer(body, "beam_width", max(n, 4) if beam else 4)
+    if beam and not n <= beam_width <= MAX_N:
+        raise ApiError(f"'beam_width' must be between n ({n}) and {MAX_N}, got {beam_width}.", param="beam_width")
     return SamplingParams(
+        n=n,
+        use_beam_search=beam,
+        beam_width=beam_width,
+        length_penalty=_number(body, "length_penalty", 1.0),
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -343,6 +348,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+@dataclass
+class ChoiceState:
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+
+
 class ResponseBuilder:
     """The bodies of one request's answer: the whole object, or its stream of chunks.
 
@@ -351,11 +362,25 @@ class ResponseBuilder:
     """
 
     def __init__(
-        self, kind: str, request_id: str, model: str, include_usage: bool = False, return_token_ids: bool = False
+        self, kind: str, request_id: str, model: str, include_usage: bool = False, return_token_ids: bool = False,
+        num_choices: int = 1,
     ):
         self.kind, self.id, self.model = kind, request_id, model
         self.include_usage, self.return_token_ids = include_usage, return_token_ids
         self.created = int(time.time())
+        self.choices = [ChoiceState() for _ in range(num_choices)]
+
+    def record(self, msg) -> bool:
+        """Note a TextDelta's counts; True once every choice has finished."""
+        choice = self.choices[msg.seq_index]
+        choice.num_output_tokens = msg.num_output_tokens
+        if msg.finish_reason is not None:
+            choice.finish_reason = msg.finish_reason
+        return all(c.finish_reason is not None for c in self.choices)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(c.num_output_tokens for c in self.choices)
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -366,23 +391,27 @@ class ResponseBuilder:
             choice["token_ids"] = token_ids
         return choice
 
-    def full(self, text: str, finish_reason: str | None, usage_: dict, token_ids: list[int] = ()) -> dict:
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-            obj = "chat.completion"
-        else:
-            choice, obj = {"index": 0, "text": text}, "text_completion"
-        self._finish(choice, finish_reason, list(token_ids))
-        return {**self._envelope(obj, [choice]), "usage": usage_}
+    def full(self, choices: list[tuple[str, str | None, list[int]]], usage_: dict) -> dict:
+        """choices: (text, finish_reason, token_ids) by choice index."""
+        out = []
+        for index, (text, finish_reason, token_ids) in enumerate(choices):
+            if self.kind == "chat":
+                choice = {"index": index, "message": {"role": "assistant", "content": text}}
+            else:
+                choice = {"index": index, "text": text}
+            out.append(self._finish(choice, finish_reason, list(token_ids)))
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {**self._envelope(obj, out), "usage": usage_}
 
     def chunk(
-        self, text: str, finish_reason: str | None = None, role: bool = False, token_ids: list[int] = ()
+        self, text: str, finish_reason: str | None = None, role: bool = False, token_ids: list[int] = (),
+        index: int = 0,
     ) -> dict:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-            choice, obj = {"index": 0, "delta": delta}, "chat.completion.chunk"
+            choice, obj = {"index": index, "delta": delta}, "chat.completion.chunk"
         else:
-            choice, obj = {"index": 0, "text": text}, "text_completion"
+            choice, obj = {"index": index, "text": text}, "text_completion"
         self._finish(choice, finish_reason, list(token_ids))
         out = self._envelope(obj, [choice])
         if self.include_usage:

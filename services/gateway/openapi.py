@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from services.gateway.openai_schema import (
     CHAT_ROLES,
+    MAX_N,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -56,7 +57,10 @@ def _sampling(model_names: list[str]) -> dict:
         "top_p": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1}),
         "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": _INT64_MAX}),
         "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": _INT64_MAX}),
-        "n": _nullable({"type": "integer", "minimum": 1, "maximum": 1}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
+        "use_beam_search": _nullable({"type": "boolean"}),
+        "beam_width": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
+        "length_penalty": _nullable({"type": "number"}),
         "stop": _STOP,
         "stop_token_ids": _nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
                                      "items": {"type": "integer", "minimum": 0, "maximum": _INT64_MAX}}),

@@ -19,7 +19,8 @@ class ReplayDiverged(Exception):
 
 class Replay:
     def __init__(self, params: SamplingParams):
-        self.deterministic = params.temperature == 0 or params.seed is not None
+        # several choices interleave their deltas: only a single one can be skipped ahead
+        self.deterministic = params.n == 1 and (params.temperature == 0 or params.seed is not None)
         self.sent_ids: list[int] = []
         self.sent_chars = 0
         self._skip_ids: list[int] = []

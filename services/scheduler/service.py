@@ -130,6 +130,10 @@ class SchedulerService:
             return  # a step from before an executor restart
         _, chunks, started = self.in_flight
         self.in_flight = None
+        expected_logprobs = sum(1 for c in chunks if c.samples and c.request.params.use_beam_search)
+        if isinstance(msg, StepResult) and (len(msg.sampled) != len(chunks)
+                                            or len(msg.top_logprobs) != expected_logprobs):
+            msg = StepFailed(msg.step_id, f"result for {len(msg.sampled)} sequences, step had {len(chunks)}")
         if isinstance(msg, StepFailed):
             log.error("step %d failed: %s", msg.step_id, msg.message)
             for chunk in chunks:
@@ -137,7 +141,7 @@ class SchedulerService:
                 if req is not None:
                     self._reply(req.reply_to, RequestError(req.request_id, 500, f"model execution failed: {msg.message}", "internal_error"))
             return
-        for req, delta in self.scheduler.process_results(chunks, msg.sampled):
+        for req, delta in self.scheduler.process_results(chunks, msg.sampled, msg.top_logprobs):
             self._reply(req.reply_to, delta)
         self.scheduler.record_step_time(chunks, time.perf_counter() - started, msg.forward_s)
 

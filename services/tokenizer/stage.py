@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.tokenizer.detokenizer import Detokenizer
 from services.tokenizer.prompts import PromptBuilder, PromptError
@@ -35,8 +35,27 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Active:
-    detok: Detokenizer
-    num_prompt_tokens: int
+    """One request's text state: a Detokenizer per choice still generating (n > 1 and
+    beam search give several), made on its first tokens."""
+
+    tokenizer: object
+    params: object
+    prompt_ids: list[int]
+    detoks: dict[int, Detokenizer] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def detok(self, seq_index: int) -> Detokenizer:
+        if seq_index not in self.detoks:
+            self.detoks[seq_index] = Detokenizer(self.tokenizer, self.params, self.prompt_ids)
+        return self.detoks[seq_index]
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) >= self.params.n
 
 
 class TokenizerStage:
@@ -84,7 +103,7 @@ class TokenizerStage:
         except PromptError as exc:
             self._to_gateway(RequestError(req.request_id, 400, str(exc), param=exc.param))
             return
-        self.active[req.request_id] = _Active(Detokenizer(self.tokenizer, req.params, ids), len(ids))
+        self.active[req.request_id] = _Active(self.tokenizer, req.params, ids)
         self._to_scheduler(
             TokenizedRequest(
                 request_id=req.request_id,
@@ -106,15 +125,23 @@ class TokenizerStage:
         state = self.active.get(delta.request_id)
         if state is None:
             return  # finished by a stop string, aborted, or failed already
-        detok = state.detok
+        index = delta.seq_index
+        if index in state.finished:
+            return  # this choice ended on a stop string already
+        if delta.finish_reason == "abort":
+            del self.active[delta.request_id]
+            return
+        detok = state.detok(index)
         finish = delta.finish_reason
         text = detok.step(delta.token_ids, final=finish is not None)
         if detok.stopped:
             if finish is None:
-                self._to_scheduler(FinishRequest(delta.request_id, "stop"))
+                self._to_scheduler(FinishRequest(delta.request_id, "stop", seq_index=index))
             finish = "stop"
         if finish is not None:
-            del self.active[delta.request_id]
+            state.finished.add(index)
+            if state.done:
+                del self.active[delta.request_id]
         # Sent even with no text to show yet: the gateway counts tokens and times them.
         self._to_gateway(
             TextDelta(
@@ -124,6 +151,7 @@ class TokenizerStage:
                 num_output_tokens=detok.num_output_tokens,
                 finish_reason=finish,
                 token_ids=delta.token_ids,
+                seq_index=index,
             )
         )
 
