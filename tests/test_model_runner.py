@@ -294,7 +294,9 @@ def test_executor_stage_round_trip(llama, tmp_path):
     )
     try:
         ready = results.recv(timeout_ms=60_000)
-        assert ready == ExecutorReady("ex-test", num_kv_blocks=16, block_size=8, max_model_len=256)
+        assert ready.instance  # a fresh id per process: the scheduler tells restarts apart by it
+        assert ready == ExecutorReady("ex-test", num_kv_blocks=16, block_size=8, max_model_len=256,
+                                      instance=ready.instance)
         beat = status.recv(timeout_ms=5_000)
         assert isinstance(beat, Heartbeat) and beat.stage == "executor" and beat.replica == "ex-test"
         prompt = [5, 6, 7, 8, 9]

@@ -161,8 +161,13 @@ def test_completion_rejections(body, param):
     assert error(completion, **body).param == param
 
 
-def test_n_message_is_clear():
-    assert "not supported" in error(completion, n=4).message
+def test_n_and_beam_search_fields_become_sampling_params():
+    assert "between 1 and 16" in error(completion, n=40).message
+    params = completion(n=4).params
+    assert params.n == 4 and not params.use_beam_search
+    beam = completion(n=2, use_beam_search=True, beam_width=3, length_penalty=0.5).params
+    assert (beam.n, beam.use_beam_search, beam.beam_width, beam.length_penalty) == (2, True, 3, 0.5)
+    assert completion(use_beam_search=True).params.beam_width == 4
 
 
 @pytest.mark.parametrize(
@@ -196,7 +201,7 @@ def test_ids():
 
 def test_completion_bodies():
     out = ResponseBuilder("completion", "cmpl-1", "m")
-    full = out.full("text", "length", usage(3, 4))
+    full = out.full([("text", "length", [])], usage(3, 4))
     assert full["object"] == "text_completion" and full["id"] == "cmpl-1" and full["model"] == "m"
     assert full["choices"] == [{"index": 0, "text": "text", "logprobs": None, "finish_reason": "length"}]
     assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
@@ -207,15 +212,15 @@ def test_completion_bodies():
 
 def test_token_ids_only_when_asked():
     plain = ResponseBuilder("completion", "cmpl-1", "m")
-    assert "token_ids" not in plain.full("t", "stop", usage(1, 1), [5])["choices"][0]
+    assert "token_ids" not in plain.full([("t", "stop", [5])], usage(1, 1))["choices"][0]
     out = ResponseBuilder("chat", "chatcmpl-1", "m", return_token_ids=True)
-    assert out.full("t", "stop", usage(1, 2), [5, 2])["choices"][0]["token_ids"] == [5, 2]
+    assert out.full([("t", "stop", [5, 2])], usage(1, 2))["choices"][0]["token_ids"] == [5, 2]
     assert out.chunk("t", token_ids=[7])["choices"][0]["token_ids"] == [7]
 
 
 def test_chat_bodies_with_usage_chunks():
     out = ResponseBuilder("chat", "chatcmpl-1", "m", include_usage=True)
-    full = out.full("hi", "stop", usage(1, 1))
+    full = out.full([("hi", "stop", [])], usage(1, 1))
     assert full["object"] == "chat.completion"
     assert full["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     first = out.chunk("", role=True)
