@@ -49,6 +49,7 @@ from shared.transport import PullSocket, PushSocket, RouterSocket, wait_readable
 log = logging.getLogger("pagedserve.scheduler")
 
 HELLO_INTERVAL_S = 0.5
+STATS_INTERVAL_S = 0.05  # heartbeats go out every 0.25 s: fresher stats would go unseen
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +75,7 @@ class SchedulerService:
         self.results_in = PullSocket(ctx, addr.executor_out, ExecutorToScheduler, bind=True)
         self.scheduler: Scheduler | None = None
         self.stats: SchedulerStats | None = None
+        self.stats_at = 0.0
         self.executor_id: str | None = None
         self.executor_instance: str | None = None
         self.hello_at = 0.0
@@ -88,6 +90,7 @@ class SchedulerService:
 
     def refresh_stats(self) -> None:
         """Snapshot for the heartbeat thread, which must not read the scheduler mid-change."""
+        self.stats_at = time.monotonic()
         stats = self.scheduler.stats()
         usage = kv_usage(self.scheduler)
         self.stats = msgspec.structs.replace(
@@ -223,7 +226,7 @@ class SchedulerService:
                     step, chunks = scheduled
                     self.steps_out.send(step)
                     self.in_flight = (step.step_id, chunks, started)
-            if self.scheduler is not None and (ready or not stalled):
+            if self.scheduler is not None and time.monotonic() - self.stats_at >= STATS_INTERVAL_S:
                 self.refresh_stats()
         self.heartbeat.stop()
 
