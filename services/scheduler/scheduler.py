@@ -183,6 +183,12 @@ class Scheduler:
                 i += 1
                 continue
             while not self.blocks.can_append(req, n):
+                idle = self._idle_beam(chunks)
+                if idle is not None:  # blocks nobody computes with this step go first
+                    if self.running.index(idle) < i:
+                        i -= 1
+                    self._yield_idle_beam(idle)
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, swap_out)
                 preempted = True
@@ -235,15 +241,20 @@ class Scheduler:
         """A beam that waits for its siblings' candidates holds blocks it does not use
         now; when a waiting sequence (maybe that very sibling) cannot get blocks, such a
         beam gives its blocks up (it keeps its candidates) and goes to the back."""
+        idle = self._idle_beam(chunks)
+        if idle is not None:
+            self._yield_idle_beam(idle)
+        return idle is not None
+
+    def _idle_beam(self, chunks: list[ScheduledChunk]) -> Request | None:
         scheduled = {id(c.request) for c in chunks}
-        for req in reversed(self.running):
-            if req.candidates is not None and id(req) not in scheduled:
-                self.running.remove(req)
-                self._preempt(req)
-                self.waiting.remove(req)
-                self.waiting.append(req)
-                return True
-        return False
+        return next((r for r in reversed(self.running) if r.candidates is not None and id(r) not in scheduled), None)
+
+    def _yield_idle_beam(self, req: Request) -> None:
+        self.running.remove(req)
+        self._preempt(req)
+        self.waiting.remove(req)
+        self.waiting.append(req)
 
     @staticmethod
     def _chunk_size(req: Request, computed: int, budget: int) -> int:
