@@ -231,3 +231,35 @@ def test_chat_bodies_with_usage_chunks():
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
     tail = out.usage_chunk(usage(1, 2))
     assert tail["choices"] == [] and tail["usage"]["total_tokens"] == 3
+
+
+# --- float fields: finite and in a sane range (issue 10, item 1) ----------------------------
+
+_FLOAT_FIELDS = ["temperature", "top_p", "length_penalty", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"]
+
+
+@pytest.mark.parametrize("name", _FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 1e308, -1e308, 2000, -2000,
+                                   "1.0", True, False, [1.0], {"v": 1}])
+def test_every_float_field_rejects_non_finite_huge_and_wrong_types(name, value):
+    body = {name: value, "use_beam_search": True} if name == "length_penalty" else {name: value}
+    err = error(completion, **body)
+    assert err.param == name
+    json.dumps(err.body(), allow_nan=False)  # the error body itself is plain JSON
+
+
+def test_length_penalty_that_overflowed_the_beam_score_is_refused():
+    err = error(completion, use_beam_search=True, beam_width=2, length_penalty=2000, ignore_eos=True)
+    assert err.param == "length_penalty" and "between" in err.message
+    assert completion(use_beam_search=True, length_penalty=-10).params.length_penalty == -10
+    assert completion(use_beam_search=True, length_penalty=10).params.length_penalty == 10
+
+
+def test_sane_float_values_still_pass():
+    assert completion(temperature=100).params.temperature == 100
+    assert completion(temperature=1e-9).params.temperature == 1e-9
+    assert completion(top_p=1e-9).params.top_p == 1e-9
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0), ("repetition_penalty", 1.0)):
+        assert completion(**{name: neutral}).params == completion().params
+    assert error(completion, temperature=100.5).param == "temperature"

@@ -23,6 +23,10 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 1024
+# Float ranges: wide enough for any real use, narrow enough that no stage's arithmetic
+# overflows (a beam's score divides by length ** length_penalty).
+MAX_TEMPERATURE = 100.0
+MAX_LENGTH_PENALTY = 10.0
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _INT64 = 2**63
 
@@ -34,12 +38,11 @@ _UNSUPPORTED = {
     "top_logprobs": (None, 0),
     "best_of": (None, 1),
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
     "tools": (None, []),
     "response_format": (None, {"type": "text"}),
 }
+# Numeric fields not implemented: only their neutral value is accepted.
+_UNSUPPORTED_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 class ApiError(Exception):
@@ -148,15 +151,22 @@ def _integer(body: dict, name: str, default):
     return value
 
 
-def _number(body: dict, name: str, default: float) -> float:
+def _number(body: dict, name: str, default: float, low: float = -math.inf, high: float = math.inf) -> float:
+    """A finite number in [low, high]."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _wrong_type(name, "a number", value)
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too big for a float
+        number = math.inf
+    if not math.isfinite(number):
         raise ApiError(f"'{name}' must be a finite number.", param=name)
-    return float(value)
+    if not low <= number <= high:
+        raise ApiError(f"'{name}' must be between {low:g} and {high:g}, got {number:g}.", param=name)
+    return number
 
 
 def _boolean(body: dict, name: str, default: bool) -> bool:
@@ -185,6 +195,9 @@ def _check_common(body: dict, model_names: set[str]) -> None:
     for name, unused in _UNSUPPORTED.items():
         if body.get(name) not in unused:
             raise ApiError(f"'{name}' is not supported by this server.", param=name)
+    for name, neutral in _UNSUPPORTED_PENALTIES.items():
+        if _number(body, name, neutral) != neutral:
+            raise ApiError(f"'{name}' is not supported by this server (only {neutral:g}).", param=name)
 
 
 def _max_tokens(body: dict, name: str, default: int) -> int:
@@ -195,9 +208,7 @@ def _max_tokens(body: dict, name: str, default: int) -> int:
 
 
 def _sampling(body: dict, max_tokens: int) -> SamplingParams:
-    temperature = _number(body, "temperature", 1.0)
-    if temperature < 0:
-        raise ApiError(f"'temperature' must be >= 0, got {temperature}.", param="temperature")
+    temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise ApiError(f"'top_p' must be in (0, 1], got {top_p}.", param="top_p")
@@ -213,7 +224,7 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
         n=n,
         use_beam_search=beam,
         beam_width=beam_width,
-        length_penalty=_number(body, "length_penalty", 1.0),
+        length_penalty=_number(body, "length_penalty", 1.0, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY),
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from services.gateway.openai_schema import (
     CHAT_ROLES,
+    MAX_LENGTH_PENALTY,
     MAX_N,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
 )
 
 _INT64_MAX = 2**63 - 1
@@ -53,14 +55,19 @@ def _sampling(model_names: list[str]) -> dict:
     return {
         "model": _nullable({"type": "string", "enum": model_names}),
         "max_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": _INT64_MAX}),
-        "temperature": _nullable({"type": "number", "minimum": 0}),
+        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE}),
         "top_p": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1}),
         "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": _INT64_MAX}),
         "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": _INT64_MAX}),
         "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
         "use_beam_search": _nullable({"type": "boolean"}),
         "beam_width": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
-        "length_penalty": _nullable({"type": "number"}),
+        "length_penalty": _nullable({"type": "number", "minimum": -MAX_LENGTH_PENALTY,
+                                     "maximum": MAX_LENGTH_PENALTY}),
+        # not implemented: only the neutral value
+        "presence_penalty": _nullable({"type": "number", "enum": [0]}),
+        "frequency_penalty": _nullable({"type": "number", "enum": [0]}),
+        "repetition_penalty": _nullable({"type": "number", "enum": [1]}),
         "stop": _STOP,
         "stop_token_ids": _nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
                                      "items": {"type": "integer", "minimum": 0, "maximum": _INT64_MAX}}),
