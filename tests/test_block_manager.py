@@ -31,12 +31,14 @@ def admit(bm: BlockManager, seq: Seq) -> int:
     bm.allocate(seq, seq.num_tokens - cached)
     assert seq.num_computed_tokens == cached
     seq.num_computed_tokens = seq.num_tokens
+    bm.commit(seq, cached, seq.num_tokens)
     return cached
 
 
 def grow(bm: BlockManager, seq: Seq, new_tokens: list[int]) -> list[tuple[int, int]]:
     seq.tokens += new_tokens
     copies = bm.append_slots(seq, len(new_tokens))
+    bm.commit(seq, seq.num_computed_tokens, seq.num_computed_tokens + len(new_tokens))
     seq.num_computed_tokens += len(new_tokens)
     return copies
 
@@ -198,3 +200,25 @@ def write(bm: BlockManager, seq: Seq, start: int, end: int, contents: dict[int, 
         del row[offset:]
         row.append(seq.tokens[pos])
     seq.num_computed_tokens = end
+    bm.commit(seq, start, end)
+
+
+def test_blocks_are_cached_only_once_their_kv_is_written():
+    """Handing blocks out caches nothing: a step that fails leaves no block holding
+    uncomputed KV under a prefix hash. `commit` (the step succeeded) caches them."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    failed = Seq(tokens=list(range(9)))
+    bm.allocate(failed, 9)
+    assert bm.num_cached_tokens(Seq(tokens=list(range(9)))) == 0  # not while its step runs
+    bm.free(failed)  # its step failed
+    assert bm.num_cached_blocks == 0 and bm.num_cached_tokens(Seq(tokens=list(range(9)))) == 0
+    bm.check_invariants([])
+
+    done = Seq(tokens=list(range(9)))
+    bm.allocate(done, 5)  # a first chunk: one block completed
+    bm.commit(done, 0, 5)
+    assert bm.num_cached_tokens(Seq(tokens=list(range(9)))) == 4
+    bm.append_slots(done, 4)  # the rest, whose step then fails: block 2 stays uncached
+    bm.free(done)
+    assert bm.num_cached_blocks == 1 and bm.num_cached_tokens(Seq(tokens=list(range(9)))) == 4
+    bm.check_invariants([])

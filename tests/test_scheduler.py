@@ -352,3 +352,19 @@ def test_random_workloads_keep_invariants_and_finish(specs, mode, num_blocks, sh
     ended_early = set(aborts) | {f"q{i}" for i in range(len(specs))} - admitted
     assert {k if isinstance(k, str) else k[0] for k in set(expected) - set(got)} <= ended_early
     assert not small.requests and small.blocks.num_used_blocks == 0
+
+
+def test_a_failed_step_leaves_no_uncomputed_block_in_the_prefix_cache():
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4))
+    sched.add_request(make("first", 21, 5))
+    sched.schedule()  # handed to an executor that then fails the step: nothing was written
+    sched.finish_request("first", "error")  # what the service does on StepFailed
+    assert sched.blocks.num_cached_blocks == 0
+    again = make("first", 21, 5)
+    again.request_id = "again"
+    sched.add_request(again)
+    starts = []
+    got, _ = run_until_done(sched, on_step=lambda s, step: starts.append(step.seqs[0].start_pos))
+    assert starts[0] == 0  # the whole prompt is computed, none read from the cache
+    assert got["again"] == reference_output(again.prompt_token_ids, 5)
+    assert sched.blocks.num_cached_blocks > 0  # its own computed blocks are cached now

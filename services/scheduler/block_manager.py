@@ -7,14 +7,14 @@ Each operation comes as a pair, a side-effect-free "can" and a "do" (`can_alloca
 [i * block_size, (i + 1) * block_size)), `num_computed_tokens`, its tokens, and a
 `block_hashes` list this class fills in.
 
-Prefix caching: a block that will be full of computed tokens is registered under a
+Prefix caching: a block full of computed tokens is registered under a
 chained hash of (parent block's hash, its token ids), with the token ids kept to
 check a hit really matches. When no sequence references it any more it stays in the
 pool as "cached"; a new sequence whose leading blocks hash the same takes them
 instead of computing them. Cached blocks nobody holds are evicted least recently
-used when a block is needed. A block is registered when it is handed out for the
-chunk that fills it: within a step every layer writes its new K/V before attending,
-so another sequence may already read it in that same step.
+used when a block is needed. A block is registered only by `commit`, once the step
+that writes its KV has succeeded: a block handed out for a step that then fails
+holds no KV, and caching it would hand garbage to the next request with that prefix.
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ class BlockManager:
         """Tokens of a new sequence that `allocate` will take from the cache."""
         return len(self._cached_prefix(seq)) * self.block_size
 
-    def _register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
-        """Cache the blocks that tokens [start, end) complete."""
+    def commit(self, seq: Sequence, start: int, end: int) -> None:
+        """The KV of seq's tokens [start, end) is written: cache the blocks they complete."""
         if not self.enable_prefix_caching:
             return
         bs, hashes = self.block_size, self._hashes(seq, end)
@@ -170,7 +170,6 @@ class BlockManager:
         seq.num_computed_tokens = len(hits) * self.block_size
         end = seq.num_computed_tokens + num_new_tokens
         seq.block_table.extend(self._take() for _ in range(self.blocks_for(end) - len(hits)))
-        self._register_full_blocks(seq, seq.num_computed_tokens, end)
 
     # --- a swapped-out sequence comes back -----------------------------------------
 
@@ -184,7 +183,6 @@ class BlockManager:
             raise RuntimeError("restore without room: call can_restore first")
         end = seq.num_computed_tokens + num_new_tokens
         seq.block_table.extend(self._take() for _ in range(self.blocks_for(end)))
-        self._register_full_blocks(seq, seq.num_computed_tokens, end)
         return seq.block_table[: self.blocks_for(seq.num_computed_tokens)]
 
     # --- a running sequence grows ---------------------------------------------------
@@ -222,7 +220,6 @@ class BlockManager:
         end = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) < self.blocks_for(end):
             seq.block_table.append(self._take())
-        self._register_full_blocks(seq, seq.num_computed_tokens, end)
         return copies
 
     # --- sharing and release --------------------------------------------------------

@@ -193,6 +193,9 @@ class ReservingAllocator:
     def reset_cache(self) -> None:
         """Nothing is cached."""
 
+    def commit(self, seq: Sequence, start: int, end: int) -> None:
+        """Nothing is cached."""
+
     # --- a running sequence grows ---------------------------------------------------
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:

@@ -38,6 +38,7 @@ class SchedulerConfig:
 class ScheduledChunk:
     request: Request
     num_tokens: int
+    restored: bool = False  # its computed KV comes back from swap space in this step
 
     @property
     def samples(self) -> bool:
@@ -227,7 +228,7 @@ class Scheduler:
             if n == 0:  # the cache already holds everything before the fork point
                 self._fork(req)
                 continue
-            chunks.append(ScheduledChunk(req, n))
+            chunks.append(ScheduledChunk(req, n, restored=restoring))
             budget -= n
 
         if not chunks and not swap_out:
@@ -293,7 +294,9 @@ class Scheduler:
             beam_cands = next(candidates) if samples and req.params.use_beam_search else None
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted, finished or preempted while the step ran
+            start = 0 if chunk.restored else req.num_computed_tokens
             req.num_computed_tokens += chunk.num_tokens
+            self.blocks.commit(req, start, req.num_computed_tokens)
             if req.pending_forks and req.num_computed_tokens == req.fork_at:
                 self._fork(req)
             if not samples:
