@@ -1,10 +1,13 @@
 """Scheduler logic with a model-free executor: batching, chunking, preemption, stops."""
 
+import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.scheduler.beam_search import beam_score
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -368,3 +371,102 @@ def test_a_failed_step_leaves_no_uncomputed_block_in_the_prefix_cache():
     assert starts[0] == 0  # the whole prompt is computed, none read from the cache
     assert got["again"] == reference_output(again.prompt_token_ids, 5)
     assert sched.blocks.num_cached_blocks > 0  # its own computed blocks are cached now
+
+
+class Faulty(Request):
+    """A request whose handling raises where `fails_in` says, as a bug tied to one
+    request's input would."""
+
+    fails_in = ""
+
+    @property
+    def sampling(self):  # read when its step is built
+        if self.fails_in == "schedule":
+            raise RuntimeError("boom while scheduling")
+        return super().sampling
+
+    def stop_reason(self, max_model_len):  # read when its sampled token comes back
+        if self.fails_in == "results":
+            raise RuntimeError("boom while applying a result")
+        return super().stop_reason(max_model_len)
+
+
+def faulty(rid, prompt_len, max_tokens, fails_in, **params):
+    base = make(rid, prompt_len, max_tokens, **params)
+    req = Faulty(rid, base.prompt_token_ids, base.params, base.eos_token_ids, 0.0)
+    req.fails_in = fails_in
+    return req
+
+
+class FaultyBlocks(BlockManager):
+    """Raises when request "bad" grows past its prompt (a running sequence's turn)."""
+
+    def append_slots(self, seq, num_new_tokens):
+        if seq.request_id == "bad" and seq.num_output_tokens:
+            raise RuntimeError("boom while growing")
+        return super().append_slots(seq, num_new_tokens)
+
+
+@pytest.mark.parametrize("fails_in", ["schedule", "running", "results"])
+def test_a_request_that_raises_fails_alone_and_frees_its_blocks(fails_in):
+    sched = Scheduler(SchedulerConfig(), (FaultyBlocks if fails_in == "running" else BlockManager)(64, 4))
+    honest = [make("a", 10, 6), make("b", 7, 4, n=2)]
+    sched.add_request(honest[0])
+    sched.add_request(faulty("bad", 9, 5, fails_in, n=2))
+    sched.add_request(honest[1])
+    outputs, finish = run_until_done(sched)  # checks the pool's invariants every step
+    assert outputs["a"] == reference_output(honest[0].prompt_token_ids, 6)
+    assert outputs[("b", 0)] == outputs[("b", 1)] == reference_output(honest[1].prompt_token_ids, 4)
+    assert [(r.request_id, r.finish_reason) for r in sched.take_failed()] == [("bad", "error")]
+    assert not sched.requests and sched.blocks.num_used_blocks == 0
+    assert sched.take_failed() == []  # each failure is reported once
+
+
+class NanExecutor(FakeExecutor):
+    """Returns NaN logprobs to the beams of one request (a broken result for it alone)."""
+
+    def execute(self, step):
+        sampled = super().execute(step)
+        beams = [s for s in step.seqs if s.sample and s.num_logprobs]
+        self.top_logprobs = [[(t, math.nan) for t, _ in c] if s.request_id == "bad" else c
+                             for s, c in zip(beams, self.top_logprobs, strict=True)]
+        return sampled
+
+
+def test_a_beam_request_with_a_broken_result_fails_alone():
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4))
+    sched.add_request(make("bad", 9, 5, use_beam_search=True, beam_width=2, n=2))
+    good = make("good", 9, 5, use_beam_search=True, beam_width=2, n=2)
+    sched.add_request(good)
+    outputs, _ = run_until_done(sched, executor=NanExecutor(4))
+    want = reference_beam_search(good.prompt_token_ids, 2, 5, EOS)
+    assert [outputs[("good", i)] for i in range(2)] == want
+    assert [r.request_id for r in sched.take_failed()] == ["bad"]
+    assert sched.blocks.num_used_blocks == 0
+
+
+def test_beam_score_is_finite_for_any_penalty_and_plain_for_sane_ones():
+    assert beam_score(-6.0, 4, 1.0) == -1.5 and beam_score(-6.0, 4, 0.0) == -6.0
+    for penalty in (-2000.0, -50.0, 50.0, 2000.0, 1e300):
+        for length in (1, 2, 8000):
+            score = beam_score(-6.0, length, penalty)
+            assert math.isfinite(score) and score <= 0, (penalty, length)
+    assert beam_score(0.0, 10, 2000.0) == 0.0
+
+
+@pytest.mark.parametrize("penalty", [2000.0, -2000.0])
+def test_beam_search_with_an_extreme_length_penalty_finishes(penalty):
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4))
+    sched.add_request(make("beam", 9, 6, use_beam_search=True, beam_width=2, n=2, length_penalty=penalty,
+                           ignore_eos=True))
+    outputs, finish = run_until_done(sched)
+    assert [len(outputs[("beam", i)]) for i in range(2)] == [6, 6]
+    assert finish == {("beam", 0): "length", ("beam", 1): "length"}
+    assert sched.blocks.num_used_blocks == 0
+
+
+def test_a_beam_request_with_a_non_finite_penalty_is_refused():
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4))
+    for penalty in (math.nan, math.inf):
+        req = make("beam", 9, 6, use_beam_search=True, beam_width=2, n=2, length_penalty=penalty)
+        assert "length_penalty" in sched.check_fits(req)

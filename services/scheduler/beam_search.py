@@ -11,11 +11,22 @@ beam nobody continues is dropped and frees its blocks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+_MAX_EXP = 700.0  # math.exp overflows a little past 709
 
 
 def beam_score(cum_logprob: float, length: int, length_penalty: float) -> float:
-    return cum_logprob / max(length, 1) ** length_penalty
+    """cum_logprob / length ** length_penalty, finite for any finite penalty."""
+    log_denominator = length_penalty * math.log(max(length, 1))
+    if abs(log_denominator) <= _MAX_EXP:
+        return cum_logprob / max(length, 1) ** length_penalty
+    if cum_logprob == 0 or not math.isfinite(cum_logprob):
+        return cum_logprob
+    # Past float range the quotient saturates: in log space, clamped.
+    log_score = min(max(math.log(abs(cum_logprob)) - log_denominator, -_MAX_EXP), _MAX_EXP)
+    return math.copysign(math.exp(log_score), cum_logprob)
 
 
 @dataclass

@@ -7,12 +7,16 @@ request is preempted: its blocks are freed and it is recomputed later (prompt an
 generated tokens together), or, in swap mode while host swap space lasts, its KV is
 copied to host memory and back when it resumes. A request that fits the pool alone
 always finishes.
+A request whose own handling raises (scheduling it, applying its result, scoring its
+beams) fails alone: its sequences end with "error", their blocks are freed, and
+`take_failed` hands it to the caller to report; every other request goes on.
 Pure logic: it builds the step message but never touches a socket.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -21,6 +25,7 @@ from services.scheduler.beam_search import BeamState
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.swap_space import SwapSpace
+from services.scheduler.validation import request_problem
 from shared.messages import ExecuteStep, ScheduledSeq, SchedulerStats, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -63,11 +68,16 @@ class Scheduler:
         self.decode_step_seconds_total = 0.0
         self.decode_forward_seconds_total = 0.0
         self._next_step_id = 0
+        self._failed: list[Request] = []  # failed, not yet reported (see take_failed)
+        self._doomed: list[Request] = []  # failed while a step is being built: freed after it
 
     # --- requests in and out -------------------------------------------------------
 
     def check_fits(self, req: Request) -> str | None:
         """Why a request can never run on this pool, or None if it can."""
+        problem = request_problem(req.prompt_token_ids, req.params, req.arrival_time)
+        if problem is not None:
+            return problem
         if req.max_total_tokens > self.config.max_model_len:
             return (
                 f"prompt ({req.num_prompt_tokens} tokens) plus max_tokens ({req.params.max_tokens}) "
@@ -124,6 +134,45 @@ class Scheduler:
             del self.requests[req.request_id]
             self.beams.pop(req.request_id, None)
 
+    def fail_request(self, request_id: str, exc: BaseException) -> None:
+        """End a request whose handling raised: every sequence, blocks freed; reported
+        by `take_failed`."""
+        group = self.requests.get(request_id)
+        if group:
+            self._doom(group[0], exc)
+            self._release_doomed()
+
+    def take_failed(self) -> list[Request]:
+        """Requests that failed since the last call (finish_reason "error"), once each."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _doom(self, req: Request, exc: BaseException) -> None:
+        """Take a failed request's sequences out of every queue; their blocks are freed by
+        `_release_doomed`, after any step being built (which may not reuse them)."""
+        log.error("request %s failed: %r", req.request_id, exc, exc_info=exc)
+        group = self.requests.pop(req.request_id, None) or [req]
+        self.beams.pop(req.request_id, None)
+        for seq in group if req in group else [*group, req]:
+            for queue in (self.running, self.waiting):
+                if seq in queue:
+                    queue.remove(seq)
+            seq.status = RequestStatus.FINISHED
+            seq.finish_reason = "error"
+            seq.pending_forks = 0
+            self._doomed.append(seq)
+        self._failed.append(req)
+
+    def _release_doomed(self) -> None:
+        for seq in self._doomed:
+            try:
+                self.blocks.free(seq)
+                if self.swap is not None:
+                    self.swap.free(seq.swapped_blocks)
+            except Exception:  # the pool may be off by a block; the stage goes on
+                log.exception("freeing the blocks of failed request %s", seq.request_id)
+        self._doomed.clear()
+
     def _preempt(self, req: Request, swap_out: list[tuple[int, int]] | None = None) -> None:
         """Free a running request's blocks; swap its KV out if swap_out collects copies
         and there is room, else it is recomputed later."""
@@ -176,67 +225,98 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         preempted = False  # then nothing is admitted, so no step both swaps out and in
 
+        in_step: set[int] = set()  # ids of the requests with a chunk in this step
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk_size(req, req.num_computed_tokens, budget)
-            if n == 0:  # a beam waiting for its siblings' candidates
+            if id(req) in in_step:  # visited again after a failure restarted the scan
                 i += 1
                 continue
-            while not self.blocks.can_append(req, n):
-                idle = self._idle_beam(chunks)
-                if idle is not None:  # blocks nobody computes with this step go first
-                    if self.running.index(idle) < i:
-                        i -= 1
-                    self._yield_idle_beam(idle)
+            try:
+                n = self._chunk_size(req, req.num_computed_tokens, budget)
+                if n == 0:  # a beam waiting for its siblings' candidates
+                    i += 1
                     continue
-                victim = self.running.pop()
-                self._preempt(victim, swap_out)
-                preempted = True
-                if victim is req:
-                    break
-            else:
-                copies += self.blocks.append_slots(req, n)
-                chunks.append(ScheduledChunk(req, n))
-                budget -= n
-                i += 1
-                continue
-            break
+                while not self.blocks.can_append(req, n):
+                    idle = self._idle_beam(chunks)
+                    if idle is not None:  # blocks nobody computes with this step go first
+                        if self.running.index(idle) < i:
+                            i -= 1
+                        self._yield_idle_beam(idle)
+                        continue
+                    victim = self.running.pop()
+                    self._preempt(victim, swap_out)
+                    preempted = True
+                    if victim is req:
+                        break
+                else:
+                    copies += self.blocks.append_slots(req, n)
+                    chunks.append(ScheduledChunk(req, n))
+                    in_step.add(id(req))
+                    budget -= n
+                    i += 1
+                    continue
+                break
+            except Exception as exc:
+                self._doom(req, exc)  # its siblings may sit before i: scan again from the start
+                i = 0
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            restoring = bool(req.swapped_blocks)
-            if restoring:
-                n = self._chunk_size(req, req.num_computed_tokens, budget)
-                fits = self.blocks.can_restore(req, n)
-            else:
-                n = self._chunk_size(req, self.blocks.num_cached_tokens(req), budget)
-                fits = self.blocks.can_allocate(req, n)
-            if not fits:
-                if self._preempt_idle_beam(chunks):
-                    continue
-                break
-            if restoring:
-                swap_in.extend(zip(req.swapped_blocks, self.blocks.restore(req, n), strict=True))
-                self.swap.free(req.swapped_blocks)
-                self.num_swapped_in_total += 1
-            else:
-                self.blocks.allocate(req, n)  # takes the cached prefix: num_computed_tokens moves
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            if n == 0:  # the cache already holds everything before the fork point
-                self._fork(req)
+            try:
+                if not self._admit(req, budget, chunks, swap_in):
+                    break
+            except Exception as exc:
+                self._doom(req, exc)
                 continue
-            chunks.append(ScheduledChunk(req, n, restored=restoring))
-            budget -= n
+            if chunks and chunks[-1].request is req:
+                budget -= chunks[-1].num_tokens
 
-        if not chunks and not swap_out:
+        seqs = []
+        for c in chunks:
+            try:
+                seqs.append(self._seq(c))
+            except Exception as exc:
+                self._doom(c.request, exc)
+                seqs.append(None)
+        # A failure drops every chunk of its request; the failed request's blocks are
+        # freed only now, so no other sequence of this step was given one of them.
+        kept = [(seq, c) for seq, c in zip(seqs, chunks, strict=True) if not c.request.is_finished]
+        self._release_doomed()
+        if not kept and not swap_out:
             return None
-        step = ExecuteStep(step_id=self._next_step_id, seqs=[self._seq(c) for c in chunks], block_copies=copies,
+        chunks = [c for _, c in kept]
+        step = ExecuteStep(step_id=self._next_step_id, seqs=[seq for seq, _ in kept], block_copies=copies,
                            swap_out=swap_out, swap_in=swap_in)
         self._next_step_id += 1
         return step, chunks
+
+    def _admit(self, req: Request, budget: int, chunks: list[ScheduledChunk], swap_in: list[tuple[int, int]]) -> bool:
+        """Start the first waiting sequence if it fits (or make room by preempting an
+        idle beam); False when nothing more can be admitted this step."""
+        restoring = bool(req.swapped_blocks)
+        if restoring:
+            n = self._chunk_size(req, req.num_computed_tokens, budget)
+            fits = self.blocks.can_restore(req, n)
+        else:
+            n = self._chunk_size(req, self.blocks.num_cached_tokens(req), budget)
+            fits = self.blocks.can_allocate(req, n)
+        if not fits:
+            return self._preempt_idle_beam(chunks)
+        if restoring:
+            swap_in.extend(zip(req.swapped_blocks, self.blocks.restore(req, n), strict=True))
+            self.swap.free(req.swapped_blocks)
+            self.num_swapped_in_total += 1
+        else:
+            self.blocks.allocate(req, n)  # takes the cached prefix: num_computed_tokens moves
+        self.waiting.popleft()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        if n == 0:  # the cache already holds everything before the fork point
+            self._fork(req)
+        else:
+            chunks.append(ScheduledChunk(req, n, restored=restoring))
+        return True
 
     def _preempt_idle_beam(self, chunks: list[ScheduledChunk]) -> bool:
         """A beam that waits for its siblings' candidates holds blocks it does not use
@@ -285,7 +365,7 @@ class Scheduler:
         """Apply one step's sampled tokens (and beams' candidates, given in step order for
         the beams that sampled); returns the deltas to send, by request."""
         self.num_steps_total += 1
-        out = []
+        out: list[tuple[Request, TokenDelta]] = []
         candidates = iter(top_logprobs)
         touched_beams = set()
         for chunk, token in zip(chunks, sampled, strict=True):
@@ -293,26 +373,45 @@ class Scheduler:
             samples = chunk.samples
             beam_cands = next(candidates) if samples and req.params.use_beam_search else None
             if req.status is not RequestStatus.RUNNING:
-                continue  # aborted, finished or preempted while the step ran
-            start = 0 if chunk.restored else req.num_computed_tokens
-            req.num_computed_tokens += chunk.num_tokens
-            self.blocks.commit(req, start, req.num_computed_tokens)
-            if req.pending_forks and req.num_computed_tokens == req.fork_at:
-                self._fork(req)
-            if not samples:
+                continue  # aborted, finished, failed or preempted while the step ran
+            try:
+                delta = self._apply(chunk, token, beam_cands)
+            except Exception as exc:
+                self.fail_request(req.request_id, exc)
                 continue
             if beam_cands is not None:
-                req.candidates = [tuple(c) for c in beam_cands]
                 touched_beams.add(req.request_id)
-                continue
-            req.output_token_ids.append(token)
-            reason = req.stop_reason(self.config.max_model_len)
-            if reason is not None:
-                self._finish(req, reason)
-            out.append((req, TokenDelta(req.request_id, [token], req.num_prompt_tokens, reason, req.seq_index)))
+            elif delta is not None:
+                out.append((req, delta))
         for request_id in touched_beams:
-            out += self._advance_beams(request_id)
-        return out
+            try:
+                out += self._advance_beams(request_id)
+            except Exception as exc:
+                self.fail_request(request_id, exc)
+        # a request that failed after some of its sequences' deltas: the error is its last word
+        return [(req, delta) for req, delta in out if req.finish_reason != "error"]
+
+    def _apply(self, chunk: ScheduledChunk, token: int, beam_cands: list | None) -> TokenDelta | None:
+        """One sequence's share of a step's result; the delta to send, if any."""
+        req = chunk.request
+        samples = chunk.samples
+        start = 0 if chunk.restored else req.num_computed_tokens
+        req.num_computed_tokens += chunk.num_tokens
+        self.blocks.commit(req, start, req.num_computed_tokens)
+        if req.pending_forks and req.num_computed_tokens == req.fork_at:
+            self._fork(req)
+        if not samples:
+            return None
+        if beam_cands is not None:
+            if any(math.isnan(lp) or lp == math.inf for _, lp in beam_cands):
+                raise ValueError("a beam candidate's logprob is not a number")
+            req.candidates = [tuple(c) for c in beam_cands]
+            return None
+        req.output_token_ids.append(token)
+        reason = req.stop_reason(self.config.max_model_len)
+        if reason is not None:
+            self._finish(req, reason)
+        return TokenDelta(req.request_id, [token], req.num_prompt_tokens, reason, req.seq_index)
 
     def _advance_beams(self, request_id: str) -> list[tuple[Request, TokenDelta]]:
         """Once every live beam has its candidates: choose the next beams, fork and drop

@@ -7,6 +7,9 @@ second `ExecutorReady` from a new executor instance means the executor restarted
 lost the KV cache, so every running request is preempted and recomputed. A scheduler
 that has no pool yet says `SchedulerHello` every HELLO_INTERVAL_S, so an executor that
 outlived the previous scheduler announces itself again.
+
+A request whose own handling raises fails alone: it gets a RequestError 500, its
+blocks are freed and the loop goes on (see `Scheduler.take_failed`).
 """
 
 from __future__ import annotations
@@ -146,7 +149,23 @@ class SchedulerService:
             return
         for req, delta in self.scheduler.process_results(chunks, msg.sampled, msg.top_logprobs):
             self._reply(req.reply_to, delta)
+        self._report_failures()
         self.scheduler.record_step_time(chunks, time.perf_counter() - started, msg.forward_s)
+
+    def _report_failures(self) -> None:
+        for req in self.scheduler.take_failed():
+            self._reply(req.reply_to, RequestError(req.request_id, 500, "internal error while serving this request",
+                                                   "internal_error"))
+
+    def _fail(self, request_id: str, peer: bytes, exc: Exception) -> None:
+        """A message about one request raised: that request fails, nothing else."""
+        if self.scheduler is not None and request_id in self.scheduler.requests:
+            self.scheduler.fail_request(request_id, exc)
+            self._report_failures()
+        else:
+            log.error("message for request %s failed: %r", request_id, exc, exc_info=exc)
+            self._reply(peer, RequestError(request_id, 500, "internal error while serving this request",
+                                           "internal_error"))
 
     # --- messages from tokenizers -----------------------------------------------------
 
@@ -208,10 +227,13 @@ class SchedulerService:
             self._forget_old_aborts()
             if self.requests_in in ready:
                 for peer, msg in self.requests_in.recv_nowait():
-                    if isinstance(msg, TokenizedRequest):
-                        self.on_request(peer, msg)
-                    else:
-                        self.on_end(msg)
+                    try:
+                        if isinstance(msg, TokenizedRequest):
+                            self.on_request(peer, msg)
+                        else:
+                            self.on_end(msg)
+                    except Exception as exc:
+                        self._fail(msg.request_id, peer, exc)
             if self.results_in in ready:
                 for msg in self.results_in.recv_nowait():
                     if isinstance(msg, ExecutorReady):
@@ -221,6 +243,7 @@ class SchedulerService:
             if self.in_flight is None and self.scheduler and self.scheduler.has_work:
                 started = time.perf_counter()
                 scheduled = self.scheduler.schedule()
+                self._report_failures()
                 stalled = scheduled is None
                 if scheduled is not None:
                     step, chunks = scheduled

@@ -1,0 +1,63 @@
+"""What the scheduler accepts from a tokenizer: every number in a range its arithmetic survives.
+
+The gateway validates requests for the API; this is the scheduler's own guard, so a
+peer that skips the gateway (or a bug in it) cannot hand the scheduler a request
+that breaks its loop. The ranges are wider than the gateway's: they bound what the
+arithmetic survives, not what is useful.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shared.messages import SamplingParams
+
+MAX_BEAM_WIDTH = 64
+MAX_N = 64
+MAX_TEMPERATURE = 1e4
+MAX_LENGTH_PENALTY = 100.0  # beam scores divide by length ** length_penalty
+MAX_SEED = 2**63 - 1 - MAX_N  # each sample adds its index to the seed, which must stay an int64
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def _float_problem(name: str, value: float, low: float, high: float) -> str | None:
+    if not math.isfinite(value) or not low <= value <= high:
+        return f"{name} must be a finite number between {low:g} and {high:g}, got {value!r}"
+    return None
+
+
+def params_problem(p: SamplingParams) -> str | None:
+    """Why these sampling parameters cannot be run, or None."""
+    problem = (
+        _float_problem("temperature", p.temperature, 0.0, MAX_TEMPERATURE)
+        or _float_problem("top_p", p.top_p, 0.0, 1.0)
+        or _float_problem("length_penalty", p.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)
+    )
+    if problem:
+        return problem
+    if p.top_p <= 0:
+        return "top_p must be above 0"
+    if p.max_tokens < 1:
+        return f"max_tokens must be at least 1, got {p.max_tokens}"
+    if p.top_k < -1:
+        return f"top_k must be -1, 0 or positive, got {p.top_k}"
+    if not 1 <= p.n <= MAX_N:
+        return f"n must be between 1 and {MAX_N}, got {p.n}"
+    if p.use_beam_search and not p.n <= p.beam_width <= MAX_BEAM_WIDTH:
+        return f"beam_width must be between n ({p.n}) and {MAX_BEAM_WIDTH}, got {p.beam_width}"
+    if p.seed is not None and not -MAX_SEED <= p.seed <= MAX_SEED:
+        return f"seed must be between {-MAX_SEED} and {MAX_SEED}, got {p.seed}"
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in p.stop_token_ids):
+        return "stop_token_ids must be token ids"
+    return None
+
+
+def request_problem(prompt_token_ids: list[int], params: SamplingParams, arrival_time: float) -> str | None:
+    """Why a tokenized request cannot be run, or None."""
+    if not prompt_token_ids:
+        return "the prompt has no tokens"
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in prompt_token_ids):
+        return "the prompt holds a negative or out-of-range token id"
+    if not math.isfinite(arrival_time):
+        return "arrival_time must be a finite number"
+    return params_problem(params)
