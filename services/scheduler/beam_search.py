@@ -7,12 +7,18 @@ end-of-sequence token become finished hypotheses, scored with a length penalty
 (cumulative logprob / generated length ** length_penalty). A parent chosen more than
 once is forked (its blocks shared, the partial one copied on its first write); a
 beam nobody continues is dropped and frees its blocks.
+
+Nothing here grows with the output length: beams' outputs are `TokenHistory`s, so a
+fork or a hypothesis shares its parent's tokens instead of copying them, and a
+hypothesis is only made when it is among the width best kept.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from services.scheduler.token_history import TokenHistory
 
 _MAX_EXP = 700.0  # math.exp overflows a little past 709
 
@@ -32,7 +38,7 @@ def beam_score(cum_logprob: float, length: int, length_penalty: float) -> float:
 @dataclass
 class Hypothesis:
     score: float
-    token_ids: list[int]
+    token_ids: TokenHistory
     finish_reason: str
 
 
@@ -43,6 +49,10 @@ class BeamState:
     width: int
     length_penalty: float
     finished: list[Hypothesis] = field(default_factory=list)
+    next_seq_index: int = 1  # for the next forked beam
+
+    def would_keep(self, score: float) -> bool:
+        return len(self.finished) < self.width or score > self.finished[-1].score
 
     def add_finished(self, hyp: Hypothesis) -> None:
         self.finished.append(hyp)
@@ -67,7 +77,7 @@ class Continuation:
 
 def select(
     state: BeamState,
-    beams: list,  # live beams: objects with .candidates, .cum_logprob, .output_token_ids
+    beams: list,  # live beams: objects with .candidates, .cum_logprob, .output_token_ids (a TokenHistory)
     is_end: callable,
 ) -> list[Continuation]:
     """The next beams; end-of-sequence continuations go to state.finished instead."""
@@ -81,9 +91,11 @@ def select(
             break
         parent = beams[i]
         if is_end(tok):
-            length = len(parent.output_token_ids) + 1
-            state.add_finished(Hypothesis(beam_score(total, length, state.length_penalty),
-                                          parent.output_token_ids + [tok], "stop"))
+            score = beam_score(total, len(parent.output_token_ids) + 1, state.length_penalty)
+            if state.would_keep(score):
+                tokens = parent.output_token_ids.fork()
+                tokens.append(tok)
+                state.add_finished(Hypothesis(score, tokens, "stop"))
         else:
             chosen.append(Continuation(parent, tok, total))
     return chosen

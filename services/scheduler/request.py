@@ -28,7 +28,7 @@ class Request:
     eos_token_ids: frozenset[int]
     arrival_time: float
     reply_to: bytes = b""  # the tokenizer replica that owns this request's text
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # a TokenHistory for beams (forks share it)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, for the prefix cache
     swapped_blocks: list[int] = field(default_factory=list)  # host blocks while swapped out

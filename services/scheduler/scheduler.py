@@ -25,6 +25,7 @@ from services.scheduler.beam_search import BeamState
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.swap_space import SwapSpace
+from services.scheduler.token_history import TokenHistory
 from services.scheduler.validation import request_problem
 from shared.messages import ExecuteStep, ScheduledSeq, SchedulerStats, TokenDelta
 
@@ -98,6 +99,7 @@ class Scheduler:
         self.waiting.append(req)
         if req.params.use_beam_search:
             self.beams[req.request_id] = BeamState(req.params.beam_width, req.params.length_penalty)
+            req.output_token_ids = TokenHistory(req.output_token_ids)  # forks share it
         elif req.params.n > 1:
             if req.fork_at > 0:
                 req.pending_forks = req.params.n - 1
@@ -133,6 +135,8 @@ class Scheduler:
         if group is not None and all(r.is_finished for r in group):
             del self.requests[req.request_id]
             self.beams.pop(req.request_id, None)
+        elif group is not None and req.request_id in self.beams:
+            group.remove(req)  # a dropped beam: its search no longer needs it
 
     def fail_request(self, request_id: str, exc: BaseException) -> None:
         """End a request whose handling raised: every sequence, blocks freed; reported
@@ -431,8 +435,9 @@ class Scheduler:
         for c in chosen:  # fork first: a child copies its parent's state before the parent moves
             beam = c.parent
             if beam in continued:
-                beam = beam.spawn(len(self.requests[request_id]))
-                beam.output_token_ids = list(c.parent.output_token_ids)
+                beam = beam.spawn(state.next_seq_index)
+                state.next_seq_index += 1
+                beam.output_token_ids = c.parent.output_token_ids.fork()
                 self.blocks.fork(c.parent, beam)
                 if not c.parent.block_table:  # the parent was preempted: so is its child
                     beam.num_computed_tokens = 0
@@ -453,12 +458,12 @@ class Scheduler:
         if continued and not out_of_room and not state.is_done(best, length):
             return []
         for beam in continued:
-            state.add_finished(beam_search.Hypothesis(
-                beam_search.beam_score(beam.cum_logprob, length, state.length_penalty),
-                list(beam.output_token_ids), "length"))
+            score = beam_search.beam_score(beam.cum_logprob, length, state.length_penalty)
+            if state.would_keep(score):
+                state.add_finished(beam_search.Hypothesis(score, beam.output_token_ids, "length"))
         for beam in continued:
             self._finish(beam, "length")
-        return [(first, TokenDelta(request_id, hyp.token_ids, first.num_prompt_tokens, hyp.finish_reason, i))
+        return [(first, TokenDelta(request_id, list(hyp.token_ids), first.num_prompt_tokens, hyp.finish_reason, i))
                 for i, hyp in enumerate(state.finished[: params.n])]
 
     def stats(self) -> SchedulerStats:
