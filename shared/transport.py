@@ -18,6 +18,8 @@ import zmq.asyncio
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+SENT, BUSY, GONE = "sent", "busy", "gone"  # what RouterSocket.try_send did
+
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -123,18 +125,30 @@ class RouterSocket(_Typed[T]):
         self._unreachable: set[bytes] = set()  # warned about once, until they answer again
 
     def send(self, peer: bytes, msg) -> bool:
-        """False when the peer is gone (the message is dropped, the caller decides)."""
+        """False when the peer is gone or its queue is full (the message is dropped, the
+        caller decides)."""
+        result = self.try_send(peer, msg)
+        if result == BUSY and peer not in self._unreachable:
+            self._unreachable.add(peer)
+            log.warning("peer %r queue full on %s; dropping what is sent to it", peer, self.address)
+        return result == SENT
+
+    def try_send(self, peer: bytes, msg) -> str:
+        """SENT; BUSY when the peer's queue is full (nothing sent: retry later); GONE when
+        no such peer is connected (the message is dropped)."""
         try:
             self.sock.send_multipart([peer, _encoder.encode(msg)], flags=zmq.NOBLOCK)
-            self._unreachable.discard(peer)
-            return True
-        except (zmq.Again, zmq.ZMQError) as exc:
-            if isinstance(exc, zmq.ZMQError) and exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+        except zmq.Again:
+            return BUSY
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
                 raise
             if peer not in self._unreachable:
                 self._unreachable.add(peer)
                 log.warning("peer %r unreachable on %s; dropping what is sent to it", peer, self.address)
-            return False
+            return GONE
+        self._unreachable.discard(peer)
+        return SENT
 
     def recv_nowait(self) -> list[tuple[bytes, T]]:
         out = []

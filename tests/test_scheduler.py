@@ -503,3 +503,22 @@ def test_beam_search_per_step_work_and_state_do_not_grow_with_the_output():
     early, late = statistics.mean(allocated[20:60]), statistics.mean(allocated[-60:-20])
     tokens_later = statistics.mean(range(steps - 60, steps - 20)) - statistics.mean(range(20, 60))
     assert late - early < 2 * tokens_later, (early, late)
+
+
+def test_requests_of_a_held_owner_wait_while_the_others_run():
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4))
+    waiting, running, other = make("w", 6, 3), make("r", 6, 3), make("o", 6, 3)
+    waiting.reply_to = running.reply_to = b"slow"
+    other.reply_to = b"fast"
+    executor = FakeExecutor(4)
+    sched.add_request(running)
+    first, _ = run_until_done(sched, executor=executor, until=lambda s: running.num_output_tokens)
+    sched.add_request(waiting)  # then the owner's queue fills
+    sched.add_request(other)
+    sched.held = {b"slow"}
+    outputs, _ = run_until_done(sched, executor=executor)
+    assert set(outputs) == {"o"} and running.num_output_tokens == 1 and list(sched.waiting) == [waiting]
+    sched.held = set()
+    outputs, _ = run_until_done(sched, executor=executor)
+    assert outputs["w"] == reference_output(waiting.prompt_token_ids, 3)
+    assert first["r"] + outputs["r"] == reference_output(running.prompt_token_ids, 3)

@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from services.scheduler.service import SchedulerService, add_args
+from shared import transport
 from shared.config import ADDRESS_NAMES, Addresses
 from shared.messages import (
     ExecuteStep,
@@ -26,7 +27,7 @@ from shared.messages import (
     TokenDelta,
     TokenizedRequest,
 )
-from shared.transport import DealerSocket, PullSocket, PushSocket
+from shared.transport import DealerSocket, PullSocket, PushSocket, _Typed
 
 
 class Stage:
@@ -46,11 +47,8 @@ class Stage:
         self.thread.start()
         self.executor_out.send(ExecutorReady("test-executor", num_kv_blocks, 4, 256, instance="test"))
 
-    def tokenizer(self, name: str, rcvhwm: int | None = None) -> DealerSocket:
-        opts_sock = DealerSocket(self.ctx, self.addrs.scheduler_in, SchedulerToTokenizer, name)
-        if rcvhwm is not None:
-            opts_sock.sock.setsockopt(zmq.RCVHWM, rcvhwm)
-        return opts_sock
+    def tokenizer(self, name: str) -> DealerSocket:
+        return DealerSocket(self.ctx, self.addrs.scheduler_in, SchedulerToTokenizer, name)
 
     def execute(self) -> None:
         """Answer every step the scheduler sent: token 7, or beam candidates."""
@@ -148,3 +146,60 @@ def test_a_broken_result_for_one_beam_request_fails_it_alone(stage):
     assert [len(m.token_ids) for m in replies["good"]] == [4, 4]
     assert replies["plain"][-1].finish_reason == "length"
     assert stage.service.scheduler.blocks.num_used_blocks == 0
+
+
+class SmallQueueReplica(DealerSocket):
+    def __init__(self, ctx, address: str, name: str):  # RCVHWM must be set before connecting
+        _Typed.__init__(self, ctx, zmq.DEALER, address, SchedulerToTokenizer, bind=False,
+                        opts={zmq.IDENTITY: name.encode(), zmq.RCVHWM: 2})
+
+
+def slow_replica(stage: Stage, name: str) -> DealerSocket:
+    """A replica whose queue holds about 4 messages (with `small_queues`)."""
+    return SmallQueueReplica(stage.ctx, stage.addrs.scheduler_in, name)
+
+
+@pytest.fixture
+def small_queues(monkeypatch):
+    """The scheduler's ROUTER queues 2 messages per peer (set before it binds)."""
+    real_open = transport._open
+
+    def small_hwm_open(ctx, kind, address, bind, opts=None):
+        if kind == zmq.ROUTER:
+            opts = {**(opts or {}), zmq.SNDHWM: 2}
+        return real_open(ctx, kind, address, bind, opts)
+
+    monkeypatch.setattr(transport, "_open", small_hwm_open)
+
+
+def tokens(msgs: list) -> list[int]:
+    return [t for m in msgs if isinstance(m, TokenDelta) for t in m.token_ids]
+
+
+def test_a_replica_that_does_not_read_holds_its_requests_and_loses_no_token(small_queues, stage):
+    slow = slow_replica(stage, "slow")
+    fast = stage.tokenizer("fast")
+    slow.send(honest("s", 40))
+    fast.send(honest("f", 40))
+    replies = stage.run_until(lambda r: ended(r.get("f", [])), fast)  # others go on meanwhile
+    assert tokens(replies["f"]) == [7] * 40
+    assert stage.service.scheduler.requests["s"][0].num_output_tokens < 20  # held, not run on
+    replies = stage.run_until(lambda r: ended(r.get("s", [])), slow)
+    assert tokens(replies["s"]) == [7] * 40 and replies["s"][-1].finish_reason == "length"
+
+
+def test_a_replica_stuck_past_the_timeout_has_its_requests_failed_loudly(small_queues, monkeypatch):
+    monkeypatch.setattr("services.scheduler.service.STALL_TIMEOUT_S", 0.3)
+    stage = Stage()
+    try:
+        stuck = slow_replica(stage, "stuck")
+        stuck.send(honest("x", 40))
+        stage.run_until(lambda r: stage.service.scheduler is not None and "x" in stage.service.scheduler.requests)
+        stage.run_until(lambda r: "x" not in stage.service.scheduler.requests)
+        assert stage.service.scheduler.blocks.num_used_blocks == 0  # its blocks went back
+        replies = stage.run_until(lambda r: ended(r.get("x", [])), stuck)
+        assert 0 < len(tokens(replies["x"])) < 40
+        err = replies["x"][-1]
+        assert isinstance(err, RequestError) and err.status == 503
+    finally:
+        stage.close()

@@ -7,6 +7,8 @@ request is preempted: its blocks are freed and it is recomputed later (prompt an
 generated tokens together), or, in swap mode while host swap space lasts, its KV is
 copied to host memory and back when it resumes. A request that fits the pool alone
 always finishes.
+Requests whose owner (`reply_to`) is in `held` (its replies cannot go out now) are
+skipped: they keep their blocks but run no further until released.
 A request whose own handling raises (scheduling it, applying its result, scoring its
 beams) fails alone: its sequences end with "error", their blocks are freed, and
 `take_failed` hands it to the caller to report; every other request goes on.
@@ -71,6 +73,7 @@ class Scheduler:
         self._next_step_id = 0
         self._failed: list[Request] = []  # failed, not yet reported (see take_failed)
         self._doomed: list[Request] = []  # failed while a step is being built: freed after it
+        self.held: set[bytes] = set()  # owners whose requests wait (backpressure)
 
     # --- requests in and out -------------------------------------------------------
 
@@ -233,7 +236,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if id(req) in in_step:  # visited again after a failure restarted the scan
+            if id(req) in in_step or req.reply_to in self.held:  # (in_step: after a failure restarted the scan)
                 i += 1
                 continue
             try:
@@ -266,7 +269,9 @@ class Scheduler:
                 i = 0
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = self._next_waiting()
+            if req is None:
+                break
             try:
                 if not self._admit(req, budget, chunks, swap_in):
                     break
@@ -295,6 +300,11 @@ class Scheduler:
         self._next_step_id += 1
         return step, chunks
 
+    def _next_waiting(self) -> Request | None:
+        if not self.held:
+            return self.waiting[0]
+        return next((r for r in self.waiting if r.reply_to not in self.held), None)
+
     def _admit(self, req: Request, budget: int, chunks: list[ScheduledChunk], swap_in: list[tuple[int, int]]) -> bool:
         """Start the first waiting sequence if it fits (or make room by preempting an
         idle beam); False when nothing more can be admitted this step."""
@@ -313,7 +323,7 @@ class Scheduler:
             self.num_swapped_in_total += 1
         else:
             self.blocks.allocate(req, n)  # takes the cached prefix: num_computed_tokens moves
-        self.waiting.popleft()
+        self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         if n == 0:  # the cache already holds everything before the fork point

@@ -9,7 +9,9 @@ that has no pool yet says `SchedulerHello` every HELLO_INTERVAL_S, so an executo
 outlived the previous scheduler announces itself again.
 
 A request whose own handling raises fails alone: it gets a RequestError 500, its
-blocks are freed and the loop goes on (see `Scheduler.take_failed`).
+blocks are freed and the loop goes on (see `Scheduler.take_failed`). Replies to a
+replica whose queue is full wait in an `Outbox` and hold that replica's requests; a
+replica stuck past STALL_TIMEOUT_S has its requests failed (503) and freed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import msgspec
 import zmq
 
 from services.scheduler.kv_accounting import kv_usage
+from services.scheduler.outbox import Outbox
 from services.scheduler.request import Request
 from services.scheduler.reservation import POLICIES as KV_POLICIES
 from services.scheduler.reservation import make_allocator
@@ -53,6 +56,8 @@ log = logging.getLogger("pagedserve.scheduler")
 
 HELLO_INTERVAL_S = 0.5
 STATS_INTERVAL_S = 0.05  # heartbeats go out every 0.25 s: fresher stats would go unseen
+STALL_TIMEOUT_S = 30.0  # a replica that reads nothing for this long loses its requests
+BACKLOG_POLL_MS = 5  # how soon a replica's backlog is retried
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +94,7 @@ class SchedulerService:
             lambda: self.stats,
         )
         self.recently_aborted: dict[str, float] = {}  # request id -> when its abort came
+        self.outbox = Outbox(self.requests_in, STALL_TIMEOUT_S)
         self.running = True
 
     def refresh_stats(self) -> None:
@@ -210,7 +216,22 @@ class SchedulerService:
             self.recently_aborted = {k: t for k, t in self.recently_aborted.items() if now - t < max_age_s}
 
     def _reply(self, peer: bytes, msg) -> None:
-        self.requests_in.send(peer, msg)
+        self.outbox.send(peer, msg)
+
+    def _flush_replies(self) -> None:
+        """Retry backlogs; hold the requests of replicas that have one; fail the stuck."""
+        self.outbox.flush()
+        if self.scheduler is None:
+            return
+        self.scheduler.held = self.outbox.held
+        for peer in self.outbox.stalled():
+            owned = [rid for rid, group in self.scheduler.requests.items() if group[0].reply_to == peer]
+            log.error("tokenizer replica %r has read nothing for %.0f s (%d replies waiting): failing its %d requests",
+                      peer, STALL_TIMEOUT_S, self.outbox.backlog(peer), len(owned))
+            for rid in owned:
+                self.scheduler.finish_request(rid, "error")
+                self._reply(peer, RequestError(rid, 503, "the tokenizer replica serving this request stopped "
+                                                         "reading; the request was ended", "service_unavailable"))
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -222,7 +243,8 @@ class SchedulerService:
                 self.steps_out.send_nowait(SchedulerHello(INSTANCE_ID))
                 self.hello_at = time.monotonic()
             can_step = self.in_flight is None and self.scheduler is not None and self.scheduler.has_work
-            ready = wait_readable([self.requests_in, self.results_in], 0 if can_step and not stalled else 100)
+            idle_ms = BACKLOG_POLL_MS if self.outbox.held else 100
+            ready = wait_readable([self.requests_in, self.results_in], 0 if can_step and not stalled else idle_ms)
             stalled = stalled and not ready
             self._forget_old_aborts()
             if self.requests_in in ready:
@@ -240,6 +262,7 @@ class SchedulerService:
                         self.on_executor_ready(msg)
                     else:
                         self.on_step_done(msg)
+            self._flush_replies()
             if self.in_flight is None and self.scheduler and self.scheduler.has_work:
                 started = time.perf_counter()
                 scheduled = self.scheduler.schedule()
