@@ -1,6 +1,8 @@
 """`pagedserve probe`: a health check for a container running one stage.
 
-With --url it asks an HTTP endpoint (the gateway's /health) and is healthy on a 200.
+With --url it asks an HTTP endpoint (the gateway's /health) and is healthy on a 200;
+it sends the API key of $PAGEDSERVE_API_KEY, which /health needs unless the gateway
+runs with --metrics-public.
 Otherwise it reads the file this container's stage writes with every heartbeat
 ($PAGEDSERVE_HEALTH_FILE, see shared/heartbeat.py) and is healthy when the last beat
 is recent and says "ready". Exit 0 when healthy, 1 otherwise, with the reason printed.
@@ -16,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 
+from services.gateway.options import API_KEY_ENV
 from shared.heartbeat import HEALTH_FILE_ENV
 
 DEFAULT_MAX_AGE_S = 5.0
@@ -29,8 +32,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_url(url: str, timeout: float) -> tuple[bool, str]:
+    key = os.environ.get(API_KEY_ENV)
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             return resp.status == 200, f"{url}: {resp.status}"
     except urllib.error.HTTPError as err:
         return False, f"{url}: {err.code} {err.read(500).decode(errors='replace')}"

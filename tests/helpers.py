@@ -47,7 +47,7 @@ class ServerProcess:
     """`pagedserve serve` as a real process tree; stopped (and checked) on exit."""
 
     def __init__(self, model: Path | str, run_dir: Path, extra: list[str], startup_timeout: float = 180,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, api_key: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.run_dir = run_dir
@@ -56,6 +56,7 @@ class ServerProcess:
                     "--port", str(self.port), "--executor-threads", "2", *extra]
         self.startup_timeout = startup_timeout
         self.env = env or {}
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # for /health and /metrics
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> ServerProcess:
@@ -68,7 +69,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited at start-up:\n{self.log()}")
             try:
-                if get(self.url + "/health", timeout=2)[0] == 200:
+                if get(self.url + "/health", timeout=2, headers=self.headers)[0] == 200:
                     return self
             except OSError:
                 pass
@@ -81,10 +82,10 @@ class ServerProcess:
 
     def stage_pid(self, stage: str) -> int:
         """The pid of the ready replica of a stage, from /health."""
-        return stage_pid(self.url, stage)
+        return stage_pid(self.url, stage, self.headers)
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(get(self.url + "/metrics")[1])
+        return parse_metrics(get(self.url + "/metrics", headers=self.headers)[1])
 
     def wait_blocks_free(self, timeout: float = 10.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout
@@ -107,16 +108,16 @@ class ServerProcess:
         self._log.close()
 
 
-def stage_pid(url: str, stage: str) -> int:
-    status, body = get(url + "/health")
+def stage_pid(url: str, stage: str, headers: dict | None = None) -> int:
+    status, body = get(url + "/health", headers=headers)
     replicas = [r for r in json.loads(body)["stages"][stage] if r["ready"]]
     assert replicas, f"no ready {stage}: {body}"
     return replicas[0]["pid"]
 
 
-def get(url: str, timeout: float = 10) -> tuple[int, str]:
+def get(url: str, timeout: float = 10, headers: dict | None = None) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode()

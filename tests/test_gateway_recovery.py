@@ -144,12 +144,18 @@ class FakeRequest:
         self.headers = {"Authorization": auth} if auth else {}
 
 
-def test_api_key_guards_v1_routes_only(monkeypatch):
-    adm = Admission("s3cret", None, lambda: 0, lambda: True)
+def test_api_key_guards_every_route_but_the_openapi_description(monkeypatch):
+    adm = Admission("s3cret", None, lambda: 0, lambda: None)
     assert adm.check_key(FakeRequest("/v1/completions")).status == 401
     assert adm.check_key(FakeRequest("/v1/models", "Bearer wrong")).status == 401
     assert adm.check_key(FakeRequest("/v1/models", "Bearer s3cret")) is None
-    assert adm.check_key(FakeRequest("/health")) is None
+    for path in ("/health", "/metrics"):
+        assert adm.check_key(FakeRequest(path)).status == 401
+        assert adm.check_key(FakeRequest(path, "Bearer s3cret")) is None
+    assert adm.check_key(FakeRequest("/openapi.json")) is None
+    public = Admission("s3cret", None, lambda: 0, lambda: None, metrics_public=True)
+    assert public.check_key(FakeRequest("/health")) is None and public.check_key(FakeRequest("/metrics")) is None
+    assert public.check_key(FakeRequest("/v1/models")).status == 401
     monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")
     assert api_key_from(None) == "from-env" and api_key_from("flag") == "flag"
     monkeypatch.setenv("PAGEDSERVE_API_KEY", "")
@@ -158,7 +164,7 @@ def test_api_key_guards_v1_routes_only(monkeypatch):
 
 def test_capacity_refusals_in_order():
     waiting, scheduler = [0], [True]
-    adm = Admission(None, 2, lambda: waiting[0], lambda: scheduler[0])
+    adm = Admission(None, 2, lambda: waiting[0], lambda: None if scheduler[0] else "scheduler")
     assert adm.check_capacity() is None
     waiting[0] = 2
     err = adm.check_capacity()

@@ -1,8 +1,9 @@
 """Who may send a generation request now: API key, draining, scheduler presence, queue bound.
 
 Checks run before a request enters the pipeline and answer with an OpenAI-style error:
-401 without the API key (on /v1 routes; /health, /metrics and /openapi.json stay
-open for probes), 503 while draining at shutdown or while no scheduler is alive, 429
+401 without the API key (on every route but /openapi.json; /health and /metrics are
+open only with --metrics-public, since they tell who is using the server how much), 503 while draining at shutdown or while a stage (tokenizer, scheduler,
+executor) has no live instance, 429
 with Retry-After once max_queued requests already wait for their first token.
 """
 
@@ -17,6 +18,8 @@ from services.gateway.openai_schema import ApiError
 from services.gateway.options import API_KEY_ENV
 
 RETRY_AFTER_S = 1
+ALWAYS_OPEN = ("/openapi.json",)
+METRICS_PATHS = ("/health", "/metrics")
 
 
 def api_key_from(arg: str | None) -> str | None:
@@ -25,15 +28,17 @@ def api_key_from(arg: str | None) -> str | None:
 
 
 class Admission:
-    def __init__(self, api_key: str | None, max_queued: int | None, num_waiting, scheduler_available):
+    def __init__(self, api_key: str | None, max_queued: int | None, num_waiting, missing_stage,
+                 metrics_public: bool = False):
         self.api_key = api_key
+        self.open_paths = ALWAYS_OPEN + (METRICS_PATHS if metrics_public else ())
         self.max_queued = max_queued
         self._num_waiting = num_waiting  # () -> int
-        self._scheduler_available = scheduler_available  # () -> bool
+        self._missing_stage = missing_stage  # () -> the name of a stage that is down, or None
         self.draining = False
 
     def check_key(self, request: web.Request) -> ApiError | None:
-        if self.api_key is None or not request.path.startswith("/v1/"):
+        if self.api_key is None or request.path in self.open_paths:
             return None
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
@@ -50,8 +55,9 @@ class Admission:
         if self.draining:
             return ApiError("The server is shutting down.", 503, error_type="service_unavailable",
                             headers={**retry, "Connection": "close"})
-        if not self._scheduler_available():
-            return ApiError("The scheduler is not available; please retry shortly.", 503,
+        missing = self._missing_stage()
+        if missing is not None:
+            return ApiError(f"The {missing} is not available; please retry shortly.", 503,
                             error_type="service_unavailable", headers=retry)
         if self.max_queued is not None and self._num_waiting() >= self.max_queued:
             return ApiError(

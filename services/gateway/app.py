@@ -6,13 +6,22 @@ for the first message before it sends headers, so an error the pipeline finds ea
 (prompt too long) is still a plain HTTP error; an error after that is an SSE error
 event followed by [DONE]. A handler that leaves early (client gone, timeout) aborts
 its request through the EngineClient. `Admission` decides first whether a request may
-enter at all (API key, draining, scheduler alive, queue bound).
+enter at all (API key, draining, every stage alive, queue bound).
+
+Clients are held to `client_timeout_s`: a body must be application/json (415 otherwise,
+so a web page cannot post one from a browser without a CORS preflight) and arrive in
+time (408), and a streamed answer the client stops reading is cut off when one write
+stalls that long. Slow headers are the server's keep-alive timeout (service.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
+import re
+import socket
 import time
 
 from aiohttp import web
@@ -28,15 +37,29 @@ from services.gateway.openai_schema import (
     parse_chat,
     parse_completion,
     parse_json,
+    public_model_names,
     usage,
 )
 from services.gateway.openapi import openapi_spec
-from services.gateway.options import DEFAULT_MAX_REQUEST_BYTES
+from services.gateway.options import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from shared.messages import TextDelta
 
 log = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
+# The kernel's send buffer of a streamed answer: fixed (no autotuning up to megabytes),
+# so a client that stops reading stalls the writes soon, and holds little memory.
+STREAM_SEND_BUFFER = 128 * 1024
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.@~+-]+){2,}[\\/]?")  # /a/b or C:\a\b
+
+
+def hide_paths(text: str) -> str:
+    """A message for a client, with the server's file paths taken out."""
+    return _PATH.sub("<path>", text)
+
+
+class _ClientStalled(Exception):
+    """A write to the client did not complete within the client timeout."""
 
 
 def _dumps(obj) -> str:
@@ -50,7 +73,7 @@ def error_response(err: ApiError) -> web.Response:
 def _engine_api_error(exc: EngineError) -> ApiError:
     e = exc.err
     headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
-    return ApiError(e.message, e.status, e.param, e.error_type, headers=headers)
+    return ApiError(hide_paths(e.message), e.status, e.param, e.error_type, headers=headers)
 
 
 class Gateway:
@@ -65,14 +88,17 @@ class Gateway:
         model_root: str | None = None,
         admission: Admission | None = None,
         max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
     ):
         self.client, self.tracker, self.metrics = client, tracker, metrics
-        self.admission = admission or Admission(None, None, lambda: 0, lambda: True)
+        self.admission = admission or Admission(None, None, lambda: 0, lambda: None)
         self.max_body_bytes = max_body_bytes
+        self.client_timeout_s = client_timeout_s
         self.served_model_name = served_model_name
         self.model_names = model_names | {served_model_name}
         self.timeout_s = request_timeout_s
-        self.model_root = model_root or served_model_name
+        root = model_root or served_model_name
+        self.model_root = os.path.basename(root.rstrip("/\\")) if os.path.isabs(root) else root
         self.created = int(time.time())
 
     def make_app(self) -> web.Application:
@@ -88,7 +114,8 @@ class Gateway:
         return app
 
     async def openapi(self, request: web.Request) -> web.Response:
-        spec = openapi_spec(sorted(self.model_names), secured=self.admission.api_key is not None)
+        spec = openapi_spec(public_model_names(self.model_names), secured=self.admission.api_key is not None,
+                            metrics_public="/health" in self.admission.open_paths)
         return web.json_response(spec, dumps=_dumps)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -107,6 +134,8 @@ class Gateway:
     async def health(self, request: web.Request) -> web.Response:
         healthy, body = self.tracker.report()
         body["requests_in_flight"] = self.client.num_in_flight
+        refused = self.admission.check_capacity()
+        body["admitting"] = refused is None
         return web.json_response(body, status=200 if healthy else 503)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
@@ -114,6 +143,10 @@ class Gateway:
         return web.Response(body=data, headers={"Content-Type": content_type})
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
+        if request.content_type != "application/json":
+            return error_response(ApiError(
+                "The request body must be JSON, sent with 'Content-Type: application/json'.", 415,
+                code="unsupported_media_type"))
         try:
             parsed = parse(parse_json(await self._read_body(request)), self.model_names)
         except ApiError as exc:
@@ -141,10 +174,13 @@ class Gateway:
 
     async def _read_body(self, request: web.Request) -> bytes:
         try:
-            return await request.read()
+            return await asyncio.wait_for(request.read(), self.client_timeout_s)
         except web.HTTPRequestEntityTooLarge as exc:
             raise ApiError(f"The request body is larger than {self.max_body_bytes} bytes.", 413,
                            error_type="invalid_request_error", code="body_too_large") from exc
+        except asyncio.TimeoutError as exc:
+            raise ApiError(f"The request body did not arrive within {self.client_timeout_s:g} s.", 408,
+                           error_type="timeout_error", code="body_timeout", headers={"Connection": "close"}) from exc
 
     def _timeout_error(self) -> ApiError:
         return ApiError(f"The request timed out after {self.timeout_s:g} s.", 504, error_type="timeout_error")
@@ -177,10 +213,19 @@ class Gateway:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
         await resp.prepare(request)
 
+        async def write(data: bytes) -> None:
+            try:  # a client that stopped reading must not hold this handler forever
+                await asyncio.wait_for(resp.write(data), self.client_timeout_s)
+            except asyncio.TimeoutError as exc:
+                raise _ClientStalled from exc
+
         async def send(obj) -> None:
-            await resp.write(f"data: {_dumps(obj)}\n\n".encode())
+            await write(f"data: {_dumps(obj)}\n\n".encode())
 
         try:
             try:
@@ -202,8 +247,12 @@ class Gateway:
                 await send(_engine_api_error(exc).body())
             except RequestTimeout:
                 await send(self._timeout_error().body())
-            await resp.write(SSE_DONE)
-            await resp.write_eof()
+            await write(SSE_DONE)
+            await asyncio.wait_for(resp.write_eof(), self.client_timeout_s)
         except ConnectionResetError:
             log.info("client left %s mid-stream", stream.request_id)  # the stream's exit aborts it
+        except (_ClientStalled, asyncio.TimeoutError):
+            log.warning("client of %s stopped reading for %g s; closing it", stream.request_id, self.client_timeout_s)
+            if request.transport is not None:
+                request.transport.abort()  # drops what is buffered for it; the stream's exit aborts the request
         return resp

@@ -4,7 +4,9 @@ Each request in flight is a RequestStream with its own asyncio.Queue. One reader
 takes every message from gateway_in and puts it on its request's queue; messages for a
 request nobody waits for any more are dropped. A request left before its last message
 (client gone, timeout, handler cancelled, a stage lost) sends an AbortRequest, so the
-stages free what they hold for it.
+stages free what they hold for it; with n > 1 choices, the last message is the one that
+finishes the last choice. A queue holds at most `max_buffered` messages: a handler that
+falls that far behind (its client stopped reading) has its request aborted at once.
 
 Recovery: a tokenizer replica acknowledges each request it takes (RequestAccepted, with
 its instance id). When the watchdog finds a replica dead, its requests, and those no
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 ABORT_SEND_TIMEOUT_S = 5.0
 MAX_ATTEMPTS = 3  # a request is sent at most this many times
+DEFAULT_MAX_BUFFERED = 1024  # messages waiting for one request's handler
 
 
 class EngineError(Exception):
@@ -72,7 +75,9 @@ def unavailable(request_id: str, message: str) -> RequestError:
 
 
 class EngineClient:
-    def __init__(self, ctx: zmq.asyncio.Context, addrs: Addresses, on_retry: Callable[[], None] = lambda: None):
+    def __init__(self, ctx: zmq.asyncio.Context, addrs: Addresses, on_retry: Callable[[], None] = lambda: None,
+                 max_buffered: int = DEFAULT_MAX_BUFFERED):
+        self.max_buffered = max_buffered
         self._to_tokenizer = AsyncPushSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, bind=True)
         self._from_tokenizer = AsyncPullSocket(ctx, addrs.gateway_in, TokenizerToGateway, bind=True)
         self._streams: dict[str, RequestStream] = {}  # by pipeline id
@@ -103,8 +108,19 @@ class EngineClient:
                 continue
             if isinstance(msg, RequestAccepted):
                 stream.owner = msg.instance
+            elif stream.queue.qsize() >= self.max_buffered:
+                self._overflow(stream)
             else:
                 stream.queue.put_nowait(msg)
+
+    def _overflow(self, stream: RequestStream) -> None:
+        log.warning("%s: the client does not read fast enough; aborting it", stream.request_id)
+        self._streams.pop(stream.pipeline_id, None)
+        self.abort(stream.pipeline_id)
+        stream.done = True  # aborted here: nothing left to abort on exit
+        stream.queue.put_nowait(RequestError(
+            stream.request_id, 408, "The client did not read the response fast enough; the request was aborted.",
+            error_type="timeout_error"))
 
     def open(self, request: GenerateRequest, timeout_s: float) -> RequestStream:
         return RequestStream(self, request, time.monotonic() + timeout_s)
@@ -149,6 +165,7 @@ class RequestStream:
         self.sent = False
         self.started = False  # a token came back
         self.done = False  # the last message arrived: nothing to abort
+        self._unfinished = set(range(request.params.n))  # choices still running
         self._interrupted = False  # this attempt already has a retry or a loss queued
         self._replay = Replay(request.params)
 
@@ -214,7 +231,8 @@ class RequestStream:
             if delta is None:
                 continue
             if delta.finish_reason is not None:
-                self.done = True
+                self._unfinished.discard(delta.seq_index)
+                self.done = not self._unfinished
             return delta
 
     async def _retry(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -184,7 +185,7 @@ def _check_common(body: dict, model_names: set[str]) -> None:
         if not isinstance(model, str):
             raise _wrong_type("model", "a string", model)
         if model not in model_names:
-            served = ", ".join(sorted(model_names))
+            served = ", ".join(public_model_names(model_names))
             raise ApiError(
                 f"The model `{model}` does not exist. This server serves: {served}.",
                 param="model", code="model_not_found",
@@ -198,6 +199,11 @@ def _check_common(body: dict, model_names: set[str]) -> None:
     for name, neutral in _UNSUPPORTED_PENALTIES.items():
         if _number(body, name, neutral) != neutral:
             raise ApiError(f"'{name}' is not supported by this server (only {neutral:g}).", param=name)
+
+
+def public_model_names(model_names) -> list[str]:
+    """The names a client may be shown: a model given as a file path is the server's business."""
+    return sorted(n for n in model_names if not os.path.isabs(n))
 
 
 def _max_tokens(body: dict, name: str, default: int) -> int:

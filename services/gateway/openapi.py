@@ -36,7 +36,9 @@ _GENERATION_ERRORS = {
     "400": _error("Invalid request: a field has a wrong type or range, or the prompt does not fit"),
     "401": _error("Missing or wrong API key (when the server has one)"),
     "404": _error("Unknown model"),
+    "408": _error("The request body did not arrive in time"),
     "413": _error("The request body is too large"),
+    "415": _error("The request body is not sent as application/json"),
     "429": _retry_after("Too many requests are waiting"),
     "503": _retry_after("Shutting down, or a stage of the pipeline is unavailable"),
     "504": _error("The request timed out"),
@@ -155,7 +157,7 @@ def _generation(summary: str, request_schema: dict, response_ref: str) -> dict:
     }}
 
 
-def openapi_spec(model_names: list[str], secured: bool) -> dict:
+def openapi_spec(model_names: list[str], secured: bool, metrics_public: bool = False) -> dict:
     spec = {
         "openapi": "3.0.3",
         "info": {"title": "pagedserve", "version": "0.1.0",
@@ -183,4 +185,9 @@ def openapi_spec(model_names: list[str], secured: bool) -> dict:
     if secured:
         spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         spec["security"] = [{"bearer": []}]
+        if not metrics_public:  # then /health and /metrics need the key too
+            for path in ("/health", "/metrics"):
+                get = spec["paths"][path]["get"]
+                del get["security"]
+                get["responses"]["401"] = _GENERATION_ERRORS["401"]
     return spec

@@ -12,6 +12,7 @@ API_KEY_ENV = "PAGEDSERVE_API_KEY"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 DEFAULT_MAX_QUEUED = 1024
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+DEFAULT_CLIENT_TIMEOUT_S = 30.0
 
 
 def add_exposure_args(parser: argparse.ArgumentParser) -> None:
@@ -23,9 +24,15 @@ def add_exposure_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds in-flight requests get to finish after SIGTERM")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="largest request body accepted (413 beyond)")
+    parser.add_argument("--client-timeout", type=float, default=DEFAULT_CLIENT_TIMEOUT_S,
+                        help="seconds a client may take to send its headers or its body, or leave a streamed "
+                             "answer unread, before its connection is closed (and its request aborted)")
+    parser.add_argument("--metrics-public", action="store_true",
+                        help="serve /health and /metrics without the API key (default: they need it too)")
 
 
 def exposure_argv(args: argparse.Namespace) -> list[str]:
     """The options for the gateway's command line; the API key travels in its environment."""
     return ["--max-queued-requests", str(args.max_queued_requests), "--shutdown-timeout", str(args.shutdown_timeout),
-            "--max-request-bytes", str(args.max_request_bytes)]
+            "--max-request-bytes", str(args.max_request_bytes), "--client-timeout", str(args.client_timeout)] + (
+                ["--metrics-public"] if args.metrics_public else [])

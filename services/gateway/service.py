@@ -76,16 +76,17 @@ async def serve(args: argparse.Namespace, addrs: Addresses) -> None:
 
     watchdog = StageWatchdog(client.replica_lost, scheduler_lost)
     admission = Admission(api_key_from(args.api_key), args.max_queued_requests,
-                          lambda: client.num_waiting, lambda: watchdog.scheduler_available)
+                          lambda: client.num_waiting, lambda: watchdog.missing_stage, args.metrics_public)
     served = args.served_model_name or default_served_name(args.model)
     gateway = Gateway(client, tracker, metrics, served, {served, args.model}, args.request_timeout, args.model,
-                      admission, args.max_request_bytes)
+                      admission, args.max_request_bytes, args.client_timeout)
     tasks = [loop.create_task(client.run_reader()), loop.create_task(_read_status(status, tracker, watchdog)),
              loop.create_task(_watch(watchdog))]
 
     access_log = logging.getLogger("aiohttp.access") if log.isEnabledFor(logging.DEBUG) else None
     runner = web.AppRunner(
-        gateway.make_app(), handler_cancellation=True, access_log=access_log, shutdown_timeout=args.shutdown_timeout
+        gateway.make_app(), handler_cancellation=True, access_log=access_log, shutdown_timeout=args.shutdown_timeout,
+        keepalive_timeout=args.client_timeout,  # also bounds the wait for a request's headers (slow clients)
     )
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

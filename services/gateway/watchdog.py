@@ -5,7 +5,9 @@ new instance shows up under the same name (a restart faster than that). A lost
 tokenizer replica's requests are retried on the others; a lost scheduler took every
 request in flight with it, so they all end with a 503, and new requests get a 503
 until a scheduler beats again. The executor needs nothing here: the scheduler
-recomputes what a restarted executor lost.
+recomputes what a restarted executor lost. Admission asks `missing_stage`: while no
+tokenizer replica, no scheduler or no executor is alive, new requests get a 503 at once
+instead of waiting for a stage that may not come back.
 
 A check that itself runs late (the event loop was stalled, so beats may sit unread in
 the socket) declares nothing, so a busy gateway does not mistake itself for a dead stage.
@@ -42,14 +44,31 @@ class StageWatchdog:
         self._scheduler: str | None = None  # instance
         self._scheduler_seen = 0.0
         self._scheduler_down = False
+        self._executor_seen: float | None = None
+        self._executor_down = False
         self._last_check: float | None = None
 
     @property
     def scheduler_available(self) -> bool:
         return self._scheduler is not None and not self._scheduler_down
 
+    @property
+    def missing_stage(self) -> str | None:
+        """The first stage with no live instance, or None when every one is up."""
+        if not self._tokenizers:
+            return "tokenizer"
+        if not self.scheduler_available:
+            return "scheduler"
+        if self._executor_seen is None or self._executor_down:
+            return "executor"
+        return None
+
     def record(self, beat: Heartbeat) -> None:
         now = self._clock()
+        if beat.stage == "executor":
+            if self._executor_down:
+                log.info("executor %s is back", beat.replica)
+            self._executor_seen, self._executor_down = now, False
         if beat.stage == "tokenizer":
             old = self._tokenizer_names.get(beat.replica)
             if old is not None and old != beat.instance:
@@ -72,6 +91,9 @@ class StageWatchdog:
         for instance, seen in list(self._tokenizers.items()):
             if now - seen > self.lost_after_s:
                 self._tokenizer_lost(instance, f"silent for {now - seen:.1f} s")
+        if self._executor_seen is not None and not self._executor_down and now - self._executor_seen > self.lost_after_s:
+            self._executor_down = True
+            log.warning("executor silent for %.1f s: refusing new requests until it is back", now - self._executor_seen)
         if self._scheduler is not None and not self._scheduler_down and now - self._scheduler_seen > self.lost_after_s:
             self._scheduler_down = True
             self._scheduler_lost("The scheduler stopped answering; the request was lost. Please retry.")

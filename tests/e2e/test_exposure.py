@@ -27,7 +27,7 @@ def server(tiny_model_dir, tmp_path_factory):
     extra = ["--dtype", "float32", "--served-model-name", "tiny-llama", "--api-key", KEY,
              "--max-num-seqs", "1", "--max-queued-requests", str(MAX_QUEUED), "--max-model-len", "64",
              "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--max-request-bytes", "65536"]
-    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("exposure"), extra) as srv:
+    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("exposure"), extra, api_key=KEY) as srv:
         yield srv
 
 
@@ -38,17 +38,30 @@ async def post(url: str, data: bytes, headers: dict) -> tuple[int, dict, dict]:
             return resp.status, dict(resp.headers), await resp.json()
 
 
-def test_api_key_is_required_on_v1_routes_only(server):
+def test_api_key_is_required_on_every_route_but_the_openapi_description(server):
     body = json.dumps(greedy([5, 6, 7], 2)).encode()
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         status, resp_headers, err = asyncio.run(post(server.url, body, headers))
         assert status == 401 and err["error"]["code"] == "invalid_api_key", headers
         assert resp_headers["WWW-Authenticate"] == "Bearer"
     assert get(server.url + "/v1/models")[0] == 401
-    assert get(server.url + "/health")[0] == 200 and get(server.url + "/metrics")[0] == 200
+    for path in ("/health", "/metrics"):  # no --metrics-public: they need the key too
+        status, page = get(server.url + path)
+        assert status == 401 and json.loads(page)["error"]["code"] == "invalid_api_key"
+        assert get(server.url + path, headers=AUTH)[0] == 200
+    assert get(server.url + "/openapi.json")[0] == 200
     status, _, ok = asyncio.run(post(server.url, body, AUTH))
     assert status == 200 and ok["usage"]["completion_tokens"] == 2
     assert KEY not in server.log()  # the key reaches the gateway in its environment, not on a command line
+
+
+def test_errors_and_descriptions_do_not_reveal_file_paths(server, tiny_model_dir):
+    status, _, err = asyncio.run(post(server.url, json.dumps({"model": "nope", "prompt": "hi"}).encode(), AUTH))
+    assert status == 400 and "tiny-llama" in err["error"]["message"]
+    models = get(server.url + "/v1/models", headers=AUTH)[1]
+    spec = get(server.url + "/openapi.json")[1]
+    for text in (err["error"]["message"], models, spec):
+        assert str(tiny_model_dir) not in text and "/tmp" not in text, text[:300]
 
 
 def test_oversized_and_invalid_bodies_get_clear_errors(server):
@@ -114,7 +127,7 @@ def test_openapi_description_fuzzed_with_schemathesis(server):
             fuzz()
     assert ran >= 80, ran
     assert time.monotonic() - started < 120
-    assert get(server.url + "/health")[0] == 200
+    assert get(server.url + "/health", headers=AUTH)[0] == 200
 
 
 def test_sigterm_drains_requests_in_flight_then_exits(server):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -27,13 +28,14 @@ def topology(tiny_model_dir, tmp_path_factory):
         yield topo
 
 
-def probe(*args: str) -> subprocess.CompletedProcess:
+def probe(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli", "probe", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=30)
+                          capture_output=True, text=True, timeout=30, env={**os.environ, **(env or {})})
 
 
 def test_every_stage_serves_over_tcp_with_two_tokenizer_replicas(topology):
-    status, body = get(topology.url + "/health")
+    assert get(topology.url + "/health")[0] == 401  # the key guards /health too (no --metrics-public)
+    status, body = get(topology.url + "/health", headers=AUTH)
     health = json.loads(body)
     assert status == 200, health
     replicas = {r["replica"] for r in health["stages"]["tokenizer"] if r["ready"]}
@@ -41,7 +43,8 @@ def test_every_stage_serves_over_tcp_with_two_tokenizer_replicas(topology):
     for name, path in topology.health_files.items():  # the compose health checks, against these stages
         result = probe("--file", str(path))
         assert result.returncode == 0, (name, result.stderr)
-    assert probe("--url", topology.url + "/health").returncode == 0
+    assert probe("--url", topology.url + "/health").returncode == 1
+    assert probe("--url", topology.url + "/health", env={"PAGEDSERVE_API_KEY": KEY}).returncode == 0
 
     async def go():
         import aiohttp
@@ -61,7 +64,7 @@ def test_a_killed_tokenizer_replicas_requests_are_retried_on_the_other(topology)
     stream_bodies = [greedy(p, 40, stream=True) for p in prompts(4, seed=4)]
     reference = asyncio.run(run_load(topology.url, bodies, stream_bodies, AUTH))
     assert all(r[0] == 200 for r in reference), reference
-    retries_before = parse_metrics(get(topology.url + "/metrics")[1])["pagedserve_request_retries_total"]
+    retries_before = parse_metrics(get(topology.url + "/metrics", headers=AUTH)[1])["pagedserve_request_retries_total"]
 
     async def disturbed():
         chunks = asyncio.Event()
@@ -75,8 +78,8 @@ def test_a_killed_tokenizer_replicas_requests_are_retried_on_the_other(topology)
     results, after_kill_s = asyncio.run(disturbed())
     assert results == reference, topology.log("gateway")
     assert all(r[3] is None and r[4] for r in results[len(bodies):])  # streams: no error, ended with [DONE]
-    retries = parse_metrics(get(topology.url + "/metrics")[1])["pagedserve_request_retries_total"]
+    retries = parse_metrics(get(topology.url + "/metrics", headers=AUTH)[1])["pagedserve_request_retries_total"]
     assert retries > retries_before, topology.log("gateway")
     assert after_kill_s < 60
-    status, body = get(topology.url + "/health")
+    status, body = get(topology.url + "/health", headers=AUTH)
     assert status == 200, body  # one replica is enough

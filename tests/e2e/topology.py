@@ -39,6 +39,8 @@ class ComposeTopology:
         self.startup_timeout = startup_timeout
         self.procs: dict[str, subprocess.Popen] = {}
         self.health_files: dict[str, Path] = {}
+        key = self.vars.get("PAGEDSERVE_API_KEY")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}  # /health needs it too
 
     def _map(self, value: str) -> str:
         value = _VAR.sub(lambda m: self.vars.get(m.group(1), m.group(2)), value)
@@ -78,7 +80,7 @@ class ComposeTopology:
                 self.__exit__()
                 raise RuntimeError(f"{dead} exited at start-up:\n{self.log(dead[0])}")
             try:
-                status, body = get(self.url + "/health", timeout=2)
+                status, body = get(self.url + "/health", timeout=2, headers=self.headers)
                 ready = [r for r in json.loads(body)["stages"]["tokenizer"] if r["ready"]]
                 if status == 200 and len(ready) == self.tokenizers:
                     return self
