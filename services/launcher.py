@@ -2,15 +2,19 @@
 
 Each stage runs as `python -m services.cli stage NAME ...`, so `ps` names it. They
 talk over ipc:// sockets in a private run directory unless tcp:// addresses are
-given. A stage that dies is restarted (the others reconnect on their own); a stage
-that keeps dying at start-up stops the whole server. SIGINT/SIGTERM stop the stages in
-order: the gateway first, which drains (finishes the requests in flight, up to
---shutdown-timeout), then the others, which the drain still needed.
+given. A stage that dies is restarted (the others reconnect on their own), again and
+again: one that keeps dying waits longer each time (exponential backoff, capped), and
+one that then runs a while is forgiven its past. The launcher never gives up on its own;
+only SIGINT/SIGTERM stop it, and the stages in order: the gateway first, which drains
+(finishes the requests in flight, up to --shutdown-timeout), then the others, which the
+drain still needed. Restarts and backoffs are written to a state file the gateway shows
+on /health and /metrics (services/gateway/supervision.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -21,13 +25,16 @@ import time
 from dataclasses import dataclass, field
 
 from services.gateway.options import API_KEY_ENV, add_exposure_args, exposure_argv
+from services.gateway.supervision import STATE_ENV
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args, default_run_dir
 from shared.model_files import default_served_name, resolve_model
 
 log = logging.getLogger("pagedserve.launcher")
 
-CRASH_LOOP_RESTARTS = 5  # restarts within CRASH_LOOP_WINDOW_S that mean "give up"
-CRASH_LOOP_WINDOW_S = 60.0
+BACKOFF_BASE_S = 0.5  # the wait before the first restart; doubled for each death in a row
+BACKOFF_CAP_S = 30.0
+STABLE_S = 60.0  # a stage that ran this long before dying starts again from BACKOFF_BASE_S
+POLL_S = 0.2
 STOP_TIMEOUT_S = 10.0  # for each stage but the draining gateway
 
 
@@ -109,45 +116,81 @@ class Stage:
     cmd: list[str]
     env: dict[str, str] | None = None
     proc: subprocess.Popen | None = None
-    restarts: list[float] = field(default_factory=list)
+    failures: int = 0  # deaths in a row, each after less than STABLE_S
+    restarts_total: int = 0
+    restart_at: float | None = None  # monotonic; set while it is down
+    starts: list[float] = field(default_factory=list)  # monotonic, the latest few
+    delays: list[float] = field(default_factory=list)  # backoffs chosen, the latest few
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.cmd, start_new_session=False, env=self.env)
+        self.restart_at = None
+        self.starts = self.starts[-63:] + [time.monotonic()]
         log.info("started %s (pid %d)", self.name, self.proc.pid)
 
-    def crash_looping(self) -> bool:
+    def died(self, code: int, base_s: float, cap_s: float, stable_s: float) -> float:
+        """Note a death; the seconds to wait before the next start."""
         now = time.monotonic()
-        self.restarts = [t for t in self.restarts if now - t < CRASH_LOOP_WINDOW_S]
-        return len(self.restarts) >= CRASH_LOOP_RESTARTS
+        self.failures = 1 if now - self.starts[-1] >= stable_s else self.failures + 1
+        delay = min(base_s * 2 ** (self.failures - 1), cap_s)
+        self.delays = self.delays[-63:] + [delay]
+        self.proc, self.restart_at = None, now + delay
+        log.warning("%s exited with %s (%d in a row); restarting it in %g s", self.name, code, self.failures, delay)
+        return delay
 
 
 class Supervisor:
     def __init__(self, commands: dict[str, list[str]], envs: dict[str, dict[str, str]] | None = None,
-                 drain_timeout_s: float = 0.0):
+                 drain_timeout_s: float = 0.0, backoff_base_s: float = BACKOFF_BASE_S,
+                 backoff_cap_s: float = BACKOFF_CAP_S, stable_s: float = STABLE_S, state_path: str | None = None):
         envs = envs or {}
         self.stages = [Stage(name, cmd, envs.get(name)) for name, cmd in commands.items()]
         self.drain_timeout_s = drain_timeout_s
+        self.backoff_base_s, self.backoff_cap_s, self.stable_s = backoff_base_s, backoff_cap_s, stable_s
+        self.state_path = state_path
         self.stopping = False
 
     def run(self) -> int:
+        """Keep every stage running until told to stop; then stop them all and return 0."""
         for stage in self.stages:
             stage.start()
-        status = 0
+        self._write_state()
         while not self.stopping:
-            time.sleep(0.2)
+            time.sleep(min(POLL_S, self.backoff_base_s))
+            changed = False
             for stage in self.stages:
-                code = stage.proc.poll()
-                if code is None or self.stopping:
-                    continue
-                if stage.crash_looping():
-                    log.error("%s keeps dying (last exit %s); shutting down", stage.name, code)
-                    self.stopping, status = True, 1
+                if self.stopping:
                     break
-                log.warning("%s exited with %s; restarting it", stage.name, code)
-                stage.restarts.append(time.monotonic())
-                stage.start()
+                if stage.proc is not None:
+                    code = stage.proc.poll()
+                    if code is not None:
+                        stage.died(code, self.backoff_base_s, self.backoff_cap_s, self.stable_s)
+                        changed = True
+                if stage.proc is None and time.monotonic() >= stage.restart_at:
+                    stage.restarts_total += 1
+                    stage.start()
+                    changed = True
+            if changed:
+                self._write_state()
         self.stop_all()
-        return status
+        return 0
+
+    def _write_state(self) -> None:
+        if self.state_path is None:
+            return
+        now_mono, now = time.monotonic(), time.time()
+        state = {"stages": {s.name: {
+            "restarts": s.restarts_total,
+            "pid": s.proc.pid if s.proc is not None else None,
+            "restart_at": None if s.restart_at is None else now + (s.restart_at - now_mono),
+        } for s in self.stages}}
+        tmp = f"{self.state_path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(state, f)
+            os.replace(tmp, self.state_path)  # the gateway never reads half a file
+        except OSError:
+            log.warning("cannot write %s", self.state_path, exc_info=True)
 
     def stop_all(self) -> None:
         gateway = [s for s in self.stages if s.name == "gateway"]
@@ -177,8 +220,12 @@ def run(args: argparse.Namespace) -> int:
     run_dir = default_run_dir()
     given = {name: getattr(args, name) for name in Addresses.__dataclass_fields__ if getattr(args, name)}
     addresses = Addresses(**{**Addresses.ipc(run_dir).__dict__, **given})
-    envs = {"gateway": {**os.environ, API_KEY_ENV: args.api_key}} if args.api_key else None  # not in `ps`
-    supervisor = Supervisor(stage_commands(args, addresses), envs, args.shutdown_timeout)
+    state_path = os.path.join(run_dir, "supervisor.json")
+    gateway_env = {**os.environ, STATE_ENV: state_path}
+    if args.api_key:
+        gateway_env[API_KEY_ENV] = args.api_key  # not in `ps`
+    supervisor = Supervisor(stage_commands(args, addresses), {"gateway": gateway_env}, args.shutdown_timeout,
+                            state_path=state_path)
 
     def stop(signum, _frame):
         log.info("signal %d: stopping every stage", signum)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from services.gateway.supervision import SupervisionState
 from shared.messages import Heartbeat
 
 REQUIRED_STAGES = ("gateway", "tokenizer", "scheduler", "executor")
@@ -22,7 +23,9 @@ class StageTracker:
         self,
         on_scheduler_stats: Callable | None = None,
         clock: Callable[[], float] = time.monotonic,
+        supervision: SupervisionState | None = None,
     ):
+        self._supervision = supervision
         self._beats: dict[tuple[str, str], tuple[Heartbeat, float]] = {}
         self._on_stats = on_scheduler_stats
         self._clock = clock
@@ -49,5 +52,12 @@ class StageTracker:
                 "ready": beat.state == "ready" and age <= FRESH_S,
             })
         missing = [name for name in REQUIRED_STAGES if not any(r["ready"] for r in stages[name])]
+        restarting = self._supervision.restarting() if self._supervision else {}
+        for name in restarting:  # launcher names: gateway, scheduler, executor, tokenizer-0, ...
+            stage = name.rsplit("-", 1)[0] if name.startswith("tokenizer-") else name
+            if stage not in missing:
+                missing.append(stage)
         body = {"status": "ok" if not missing else "unavailable", "not_ready": missing, "stages": stages}
+        if restarting:
+            body["restarting"] = restarting
         return not missing, body

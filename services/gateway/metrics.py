@@ -1,7 +1,8 @@
 """Prometheus metrics the gateway exposes on /metrics, in their own registry.
 
 Gauges mirror the scheduler's latest heartbeat; token and request counters and the
-latency histograms are measured here, from the TextDeltas each request receives.
+latency histograms are measured here, from the TextDeltas each request receives. Stage
+restarts come from the launcher's state file (services/gateway/supervision.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from services.gateway.supervision import SupervisionState
 from shared.messages import SchedulerStats, TextDelta
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
@@ -24,9 +27,29 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
+class _SupervisionCollector:
+    """Per-stage restarts and whether a stage waits to restart, read at each scrape."""
+
+    def __init__(self, supervision: SupervisionState):
+        self.supervision = supervision
+
+    def collect(self):
+        restarts = CounterMetricFamily("pagedserve_stage_restarts", "Times the launcher restarted a stage",
+                                       labels=["stage"])
+        down = GaugeMetricFamily("pagedserve_stage_restarting",
+                                 "1 while a stage is down, waiting for its restart (backoff)", labels=["stage"])
+        restarting = self.supervision.restarting()
+        for name, stage in sorted(self.supervision.stages().items()):
+            restarts.add_metric([name], stage.get("restarts", 0))
+            down.add_metric([name], 1.0 if name in restarting else 0.0)
+        return [restarts, down]
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, supervision: SupervisionState | None = None) -> None:
         r = self.registry = CollectorRegistry()
+        if supervision is not None:
+            r.register(_SupervisionCollector(supervision))
         self.running = Gauge("pagedserve_num_requests_running", "Requests the scheduler is running", registry=r)
         self.waiting = Gauge("pagedserve_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.blocks_total = Gauge("pagedserve_kv_blocks_total", "KV cache blocks in the pool", registry=r)

@@ -27,6 +27,7 @@ from services.gateway.engine_client import EngineClient
 from services.gateway.health import StageTracker
 from services.gateway.metrics import Metrics
 from services.gateway.options import add_exposure_args
+from services.gateway.supervision import SupervisionState
 from services.gateway.watchdog import CHECK_INTERVAL_S, StageWatchdog
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
 from shared.heartbeat import HeartbeatThread
@@ -64,10 +65,11 @@ async def serve(args: argparse.Namespace, addrs: Addresses) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     ctx = zmq.asyncio.Context()
-    metrics = Metrics()
+    supervision = SupervisionState.from_env()
+    metrics = Metrics(supervision)
     client = EngineClient(ctx, addrs, on_retry=metrics.retries.inc)
     status = AsyncPullSocket(ctx, addrs.status, StatusToGateway, bind=True)
-    tracker = StageTracker(metrics.observe_scheduler)
+    tracker = StageTracker(metrics.observe_scheduler, supervision=supervision)
 
     def scheduler_lost(message: str) -> int:
         n = client.scheduler_lost(message)
