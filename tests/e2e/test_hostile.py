@@ -1,0 +1,108 @@
+"""A corpus of hostile requests sent while honest streams run (issue 10): every hostile
+one gets a 4xx or a clean completion, every honest one the same greedy output as alone,
+no stage restarts (pids unchanged) and every KV block is free at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+from tests.e2e.load import greedy, prompts, run_load
+
+HONEST = 32
+NUMERIC_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "n", "beam_width", "length_penalty",
+                  "presence_penalty", "frequency_penalty", "repetition_penalty"]
+# raw JSON text, so NaN and Infinity go out as the literals a hostile client would write
+NUMERIC_VALUES = ["0", "-1", "1e30", "100000000000000000000000000000", "1e308", "-1e308", "NaN", "Infinity",
+                  "-Infinity", '"1"', "true", "[]", "{}", "null", "0.5", "2000"]
+VOCAB = 49152
+
+
+def raw(obj: dict, field: str | None = None, value: str | None = None) -> bytes:
+    text = json.dumps(obj)
+    if field is not None:
+        text = text[:-1] + f', "{field}": {value}}}'
+    return text.encode()
+
+
+def corpus() -> list[tuple[str, str, bytes, str]]:
+    """(method, path, body, content type) of every hostile request."""
+    comp = {"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    out = []
+    for field in NUMERIC_FIELDS + ["max_completion_tokens"]:
+        for value in NUMERIC_VALUES:
+            beam = {"use_beam_search": True} if field in ("beam_width", "length_penalty") else {}
+            out.append(("POST", "/v1/completions", raw({**comp, **beam}, field, value), "application/json"))
+            out.append(("POST", "/v1/chat/completions", raw(chat, field, value), "application/json"))
+    lists = [
+        {"prompt": []}, {"prompt": [VOCAB]}, {"prompt": [10**12]}, {"prompt": [-1]}, {"prompt": [[]]},
+        {"prompt": [1] * 600}, {"prompt": ""}, {"prompt": "\u0000" * 50}, {"prompt": "naïve 文字 🙂 \u202e\ufeff"},
+        {"prompt": "x", "stop": []}, {"prompt": "x", "stop": ["s"] * 16}, {"prompt": "x", "stop": ["s"] * 17},
+        {"prompt": "x", "stop": ["\u0000"]}, {"prompt": "x", "stop": ["s" * 256]}, {"prompt": "x", "stop": ["s" * 257]},
+        {"prompt": "x", "stop_token_ids": []}, {"prompt": "x", "stop_token_ids": list(range(64))},
+        {"prompt": "x", "stop_token_ids": list(range(65))}, {"prompt": "x", "stop_token_ids": [VOCAB + 5]},
+        {"prompt": "x", "n": 16, "use_beam_search": True, "beam_width": 16, "max_tokens": 8},
+        {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}},
+        {"prompt": "x" * (4 * 1024 * 1024)},
+    ]
+    for body in lists:
+        out.append(("POST", "/v1/completions", json.dumps({"max_tokens": 3, **body}).encode(), "application/json"))
+    for messages in ([], [{}], [{"role": "user"}], [{"role": "user", "content": "\u0000"}],
+                     [{"role": "user", "content": [{"type": "image_url"}]}], [{"role": "user", "content": "hi"}] * 300):
+        out.append(("POST", "/v1/chat/completions", json.dumps({"messages": messages, "max_tokens": 3}).encode(),
+                    "application/json"))
+    for junk in (b"", b"null", b"[]", b"{", b'{"prompt": "\\ud800"}', b"\xff\xfe", b"{}" * 1000):
+        out.append(("POST", "/v1/completions", junk, "application/json"))
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=z"):
+            out.append(("POST", path, json.dumps(comp).encode(), ctype))
+        out += [("GET", path, b"", ""), ("PUT", path, b"", ""), ("DELETE", path, b"", "")]
+    for path in ("/v1/models", "/health", "/metrics", "/openapi.json"):
+        out += [("POST", path, b"{}", "application/json"), ("DELETE", path, b"", "")]
+    return out
+
+
+async def send(session: aiohttp.ClientSession, url: str, method: str, path: str, body: bytes, ctype: str):
+    headers = {"Content-Type": ctype} if ctype else {}
+    async with session.request(method, url + path, data=body or None, headers=headers,
+                               skip_auto_headers=["Content-Type"]) as resp:
+        data = await resp.read()
+    if resp.status == 200 and path.startswith("/v1/") and method == "POST":
+        text = data.decode()
+        if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+        else:
+            assert json.loads(text)["choices"], text[:300]
+    return resp.status
+
+
+def test_hostile_requests_beside_honest_streams(tiny_server):
+    url = tiny_server.url
+    stages = ("gateway", "scheduler", "executor", "tokenizer")
+    pids = {stage: tiny_server.stage_pid(stage) for stage in stages}
+    honest = [greedy(p, 24) for p in prompts(HONEST, seed=21)]
+    alone = asyncio.run(run_load(url, [], honest))
+    assert all(r[0] == 200 and r[3] is None and r[4] for r in alone), alone[:3]
+
+    async def together():
+        limit = asyncio.Semaphore(8)
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async def hostile(item):
+                async with limit:
+                    return item, await send(session, url, *item)
+
+            honest_task = asyncio.create_task(run_load(url, [], honest))
+            results = await asyncio.gather(*(hostile(item) for item in corpus()))
+            return results, await honest_task
+
+    results, beside = asyncio.run(together())
+    bad = [(m, p, b[:80], s) for (m, p, b, _), s in results if not (s == 200 or 400 <= s < 500)]
+    assert not bad, bad
+    assert {s for _, s in results} >= {200, 400, 405, 413, 415}
+    assert beside == alone  # the same greedy text and ids, streamed to the end
+    assert {stage: tiny_server.stage_pid(stage) for stage in stages} == pids  # nothing restarted
+    tiny_server.wait_blocks_free(timeout=30)
