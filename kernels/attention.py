@@ -1,20 +1,26 @@
 """Chooses the attention backend: the ops a model calls to fill and read the paged KV cache.
 
-Every backend implements the same three ops with the signatures and layout of
-`kernels.reference`, so a model holds one `AttentionBackend` and never knows which
-implementation runs. Faster kernels plug in with `register_backend`.
+Every backend implements the same ops with the signatures and layout of
+`kernels.reference` (the three cache ops, plus the fused elementwise ops of a layer,
+which default to the reference), so a model holds one `AttentionBackend` and never
+knows which implementation runs. Faster kernels plug in with `register_backend`.
 
-The Triton backend (`kernels.triton_backend`) is imported only when it is asked for
-by name or "auto" looks for a CUDA backend, so the CPU path never imports triton.
+Backends with compiled code load lazily: the Triton one (`kernels.triton_backend`)
+when asked for by name or when "auto" looks for a CUDA backend, the C++ CPU one
+(`kernels.cpu`) when "auto" or "cpu" runs on the CPU. If the CPU extension cannot be
+built, "auto" falls back to the torch reference with a logged warning.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kernels import reference
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,10 @@ class AttentionBackend:
     devices: tuple[str, ...]  # device types it runs on
     slow_devices: tuple[str, ...] = ()  # runs there too, but only when named ("auto" never picks it)
     graph_safe: bool = False  # sizes come from shapes alone (no host sync): a CUDA graph can capture it
+    rms_norm: Callable = reference.rms_norm
+    fused_add_rms_norm: Callable = reference.fused_add_rms_norm
+    silu_and_mul: Callable = reference.silu_and_mul
+    rope_and_cache: Callable = reference.rope_and_cache
 
 
 _BACKENDS: dict[str, AttentionBackend] = {
@@ -59,10 +69,29 @@ def _load_triton() -> None:
     import kernels.triton_backend  # noqa: F401  (registers itself)
 
 
+_cpu_tried = False
+
+
+def _load_cpu(required: bool) -> None:
+    global _cpu_tried
+    if "cpu" in _BACKENDS or (_cpu_tried and not required):
+        return
+    _cpu_tried = True
+    from kernels.cpu.backend import backend
+
+    built = backend()
+    if built is not None:
+        register_backend(built, preferred=True)
+    elif required:
+        raise ValueError("attention backend 'cpu' needs the C++ extension, which failed to build (see the log)")
+
+
 def get_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:
     device_type = str(device).split(":")[0]
     if name == "triton" or (name == "auto" and device_type == "cuda" and importlib.util.find_spec("triton")):
         _load_triton()
+    if name == "cpu" or (name == "auto" and device_type == "cpu"):
+        _load_cpu(required=name == "cpu")
     if name == "auto":
         for candidate in _PREFERENCE:
             if device_type in _BACKENDS[candidate].devices:

@@ -131,3 +131,43 @@ def _chunk_attention(
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     # [kv, group, q_len, d] -> [q_len, num_heads, d]
     return o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+
+
+# --- fused elementwise ops of a decoder layer (the CPU extension fuses each into one pass) ---
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """weight * x / rms(x), statistics in float32, rounded to x's dtype before the weight (as transformers)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual add and the next norm."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """silu(gate) * up for x = [gate | up] along the last axis."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_and_cache(qkv: Tensor, positions: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   slot_mapping: Tensor, num_heads: int, num_kv_heads: int) -> Tensor:
+    """Rotary embedding on q and k (halves layout), k and v written at their slots; returns q
+    [tokens, heads, head_dim]. cos_sin [max_pos, head_dim] is float32 holding cos | sin."""
+    n, head_dim = qkv.shape[0], k_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    cos, sin = cos_sin[positions].to(qkv.dtype)[:, None, :].chunk(2, dim=-1)
+
+    def rotate(x: Tensor) -> Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    q = rotate(q.reshape(n, num_heads, head_dim))
+    k = rotate(k.reshape(n, num_kv_heads, head_dim))
+    write_kv_to_cache(k, v.reshape(n, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
+    return q

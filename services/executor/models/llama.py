@@ -1,31 +1,29 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over the paged KV cache.
 
-Numerics follow transformers' LlamaForCausalLM (float32 RMSNorm, RoPE in the
-activation dtype) so outputs match it. Two differences in form: q/k/v and gate/up
-projections are fused into one matmul each (fewer, larger matmuls are what a CPU
-wants), and logits are computed only for the rows that get sampled. On a CPU with
-no half-precision GEMM, large half-precision matmuls run in float32. Every per-step
-input comes from a `BatchMetadata`; attention goes through an `AttentionBackend`.
+Numerics follow transformers' LlamaForCausalLM (float32 RMSNorm statistics, RoPE in
+the activation dtype) so outputs match it. Differences in form only: q/k/v and
+gate/up projections are fused into one matmul each (fewer, larger matmuls are what a
+CPU wants); the elementwise work between matmuls runs as the backend's fused ops
+(residual add + RMSNorm, RoPE + KV cache write, SiLU-and-mul: one pass each in the
+C++ CPU backend, plain torch in the reference); logits are computed only for the rows
+that get sampled. Every per-step input comes from a `BatchMetadata`; attention and
+the fused ops go through an `AttentionBackend`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.attention import AttentionBackend
 from services.executor.batch import BatchMetadata
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-# From this many rows on, a half-precision matmul on a CPU without a half-precision GEMM
-# (AVX2 only) is cheaper done in float32, weight conversion included: ~2x at 128 rows.
-UPCAST_MIN_ROWS = 64
+SUPPORTED_ACTIVATIONS = ("silu",)
 
 
 def head_dim_of(config) -> int:
@@ -36,27 +34,9 @@ def num_kv_heads_of(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-@functools.cache
-def _cpu_lacks_gemm(dtype: torch.dtype) -> bool:
-    if dtype not in (torch.bfloat16, torch.float16):
-        return False
-    try:
-        if dtype == torch.bfloat16:
-            return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    except (AttributeError, RuntimeError):
-        return torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2")
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    if x.shape[0] >= UPCAST_MIN_ROWS and x.device.type == "cpu" and _cpu_lacks_gemm(x.dtype):
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    return F.linear(x, weight, bias)
-
-
 class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -64,12 +44,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 class RotaryEmbedding:
@@ -96,17 +70,11 @@ class RotaryEmbedding:
         if self.inv_freq.numel() * 2 != dim:
             raise ValueError("partial rotary embeddings are not supported")
 
-    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Each [num_tokens, 1, head_dim // 2], broadcasting over heads."""
-        freqs = positions[:, None].float() * self.inv_freq
-        return ((freqs.cos() * self.scaling).to(dtype)[:, None, :],
-                (freqs.sin() * self.scaling).to(dtype)[:, None, :])
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [num_tokens, heads, head_dim], rotating its two halves (the Llama/NeoX layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def table(self, max_positions: int, dtype: torch.dtype) -> Tensor:
+        """[max_positions, head_dim] float32: cos | sin of each position, rounded through dtype
+        (transformers casts them to the activation dtype)."""
+        freqs = torch.arange(max_positions, device=self.inv_freq.device).float()[:, None] * self.inv_freq
+        return torch.cat((freqs.cos() * self.scaling, freqs.sin() * self.scaling), dim=-1).to(dtype).float()
 
 
 class MergedLinear(Linear):
@@ -133,19 +101,14 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
-        self.split = (q_size, kv_size, kv_size)
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
         self.backend = backend
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: BatchMetadata,
-                k_cache: Tensor, v_cache: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos_sin: Tensor, meta: BatchMetadata, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        self.backend.write_kv_to_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = self.backend.rope_and_cache(self.qkv_proj(x), meta.positions, cos_sin, k_cache, v_cache,
+                                        meta.slot_mapping, self.num_heads, self.num_kv_heads)
         out = self.backend.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
             self.scale, self.sliding_window,
@@ -154,16 +117,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, backend: AttentionBackend):
         super().__init__()
+        if config.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"activation {config.hidden_act!r} is not one of {SUPPORTED_ACTIVATIONS}")
         size, bias = config.intermediate_size, getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias)
         self.down_proj = Linear(size, config.hidden_size, bias=bias)
-        self.act = ACT2FN[config.hidden_act]
+        self.backend = backend
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -177,14 +141,23 @@ class DecoderLayer(nn.Module):
             window = None
         self.self_attn = Attention(config, backend, qkv_bias=attention_bias or qwen2,
                                    o_bias=attention_bias and not qwen2, sliding_window=window)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, backend)
+        self.backend = backend
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: BatchMetadata,
-                k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, residual: Tensor | None, cos_sin: Tensor, meta: BatchMetadata,
+                k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+        """(mlp output, residual stream before it): the next layer adds the two in its first fused norm."""
+        ops, norm = self.backend, self.input_layernorm
+        if residual is None:
+            x, residual = ops.rms_norm(x, norm.weight, norm.eps), x
+        else:
+            x, residual = ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        x = self.self_attn(x, cos_sin, meta, k_cache, v_cache)
+        norm = self.post_attention_layernorm
+        x, residual = ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -211,16 +184,26 @@ class LlamaForCausalLM(nn.Module):
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, device)
+        self.backend = backend
+        self._cos_sin: Tensor | None = None
+
+    def cos_sin(self, dtype: torch.dtype) -> Tensor:
+        if self._cos_sin is None or self._cos_sin.device != self.rotary.inv_freq.device:
+            self._cos_sin = self.rotary.table(self.config.max_position_embeddings, dtype)
+        return self._cos_sin
 
     def forward(self, meta: BatchMetadata, k_caches: list[Tensor], v_caches: list[Tensor]) -> Tensor:
         """Float32 logits [num_sampled, vocab] for meta.sample_indices, in that order."""
         x = self.model.embed_tokens(meta.input_ids)
-        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        cos_sin = self.cos_sin(x.dtype)
+        residual = None
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
-            x = layer(x, cos, sin, meta, k_cache, v_cache)
-        x = self.model.norm(x[meta.sample_indices])
+            x, residual = layer(x, residual, cos_sin, meta, k_cache, v_cache)
+        rows = meta.sample_indices
+        norm = self.model.norm
+        x = self.backend.rms_norm(x[rows] + residual[rows], norm.weight, norm.eps)
         head = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return linear(x, head).float()
+        return F.linear(x, head).float()
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy checkpoint tensors (transformers' names) in; raises unless every weight is set."""

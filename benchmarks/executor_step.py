@@ -1,0 +1,91 @@
+"""Executor step timing without the server: decode steps of B sequences through ModelRunner.
+
+Each batch size gets B sequences prefilled to a context of about `--context` tokens on
+a shared pool, then `--steps` greedy decode steps are timed. Prints, per batch size,
+the median step time, output tok/s, the forward pass's share of the step, and the
+attention backend and dtype that ran, so kernel and dtype choices compare side by side.
+
+    python -m benchmarks.executor_step [--batches 1 16 64] [--dtype auto] [--backend auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+
+from services.executor.model_runner import ModelRunner
+from shared.messages import ExecuteStep, ScheduledSeq, SeqSampling
+from shared.model_files import resolve_model
+
+GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
+
+
+def _seq(i: int, tokens: list[int], start: int, table: list[int], block_size: int) -> ScheduledSeq:
+    slots = [table[p // block_size] * block_size + p % block_size for p in range(start, start + len(tokens))]
+    return ScheduledSeq(request_id=f"r{i}", token_ids=tokens, start_pos=start, block_table=table,
+                        slot_mapping=slots, sample=True, output_index=0, sampling=GREEDY)
+
+
+def time_batch(runner: ModelRunner, batch: int, context: int, steps: int, seed: int = 0,
+               decode_context=contextlib.nullcontext) -> dict:
+    bs = runner.block_size
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = -(-(context + context // 4 + steps + 1) // bs)
+    order = torch.randperm(runner.num_kv_blocks - 1, generator=gen)[: batch * per_seq] + 1
+    tables = [order[i * per_seq:(i + 1) * per_seq].tolist() for i in range(batch)]
+    lens = [max(1, context + int(torch.randint(-context // 4, context // 4 + 1, (1,), generator=gen)))
+            for _ in range(batch)]
+    last = []
+    for i in range(0, batch, 8):  # prefill in chunks of 8 sequences
+        seqs = [_seq(j, torch.randint(100, 40000, (lens[j],), generator=gen).tolist(), 0, tables[j], bs)
+                for j in range(i, min(batch, i + 8))]
+        last += runner.execute(ExecuteStep(step_id=0, seqs=seqs))
+    times, forward = [], []
+    with decode_context():
+        _decode(runner, batch, lens, tables, last, steps, times, forward)
+    step = statistics.median(times[2:])
+    return {"batch": batch, "step_ms": step * 1e3, "tok_s": batch / step,
+            "forward_share": statistics.median(forward[2:]) / step}
+
+
+def _decode(runner, batch, lens, tables, last, steps, times, forward) -> None:
+    bs = runner.block_size
+    for s in range(steps):
+        seqs = [_seq(j, [last[j]], lens[j] + s, tables[j], bs) for j in range(batch)]
+        start = time.perf_counter()
+        last = runner.execute(ExecuteStep(step_id=s + 1, seqs=seqs))
+        times.append(time.perf_counter() - start)
+        forward.append(runner.last_forward_s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--kv-blocks", type=int, default=4096)
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops for the last batch")
+    args = p.parse_args(argv)
+    runner = ModelRunner(resolve_model(args.model), dtype=args.dtype, num_kv_blocks=args.kv_blocks,
+                         attention_backend=args.backend, max_num_seqs=max(args.batches))
+    print(f"dtype {runner.dtype}, backend {runner.backend.name}, threads {torch.get_num_threads()}")
+    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'forward':>8}")
+    for b in args.batches:
+        r = time_batch(runner, b, args.context, args.steps)
+        print(f"{r['batch']:>5} {r['step_ms']:>8.2f} {r['tok_s']:>8.1f} {r['forward_share']:>8.1%}", flush=True)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        prof = profile(activities=[ProfilerActivity.CPU])
+        time_batch(runner, args.batches[-1], args.context, args.steps, decode_context=lambda: prof)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()

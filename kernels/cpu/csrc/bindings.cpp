@@ -1,0 +1,21 @@
+// Python bindings of the CPU kernels (built by kernels/cpu/build.py with torch's extension tooling).
+#include "common.h"
+
+namespace pagedserve {
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                     const at::Tensor& context_lens, double scale, int64_t sliding_window);
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+void rope_and_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads);
+}  // namespace pagedserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &pagedserve::paged_attention, "paged attention over a block table (decode and prefill)");
+  m.def("rms_norm", &pagedserve::rms_norm, "out = weight * rms_norm(x)");
+  m.def("fused_add_rms_norm", &pagedserve::fused_add_rms_norm, "residual += x; x = weight * rms_norm(residual)");
+  m.def("silu_and_mul", &pagedserve::silu_and_mul, "out = silu(gate) * up");
+  m.def("rope_and_cache", &pagedserve::rope_and_cache, "RoPE on q and k in place; k and v into the cache");
+}

@@ -1,0 +1,162 @@
+// Fused elementwise ops of a Llama decoder layer on the CPU, one pass over memory each:
+// RMSNorm (optionally with the residual add first), SiLU-and-mul, and RoPE on q/k
+// with k and v written to their cache slots.
+//
+// Each rounds where transformers' eager ops in the same dtype round (float32 norm
+// statistics, results rounded to the activation dtype before the weight multiply),
+// so fused and unfused paths agree to the last bit in float32 and within a rounding
+// step in bfloat16. Rows run in parallel on torch's OpenMP threads.
+#include "common.h"
+
+#include <omp.h>
+
+#include <vector>
+
+namespace pagedserve {
+namespace {
+
+inline int threads_for(int64_t rows, int64_t row_elems) {
+  // tiny batches are not worth waking a second thread for
+  const int64_t work = rows * row_elems;
+  return work < 32768 ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
+}
+
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps, float* buf, float* wbuf) {
+  load_row(x, buf, n);
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += buf[i] * buf[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  load_row(w, wbuf, n);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) buf[i] = round_through<T>(wbuf[i] * round_through<T>(buf[i] * inv));
+  store_row(buf, out, n);
+}
+
+}  // namespace
+
+// out = weight * rms_norm(x), x [rows, hidden]
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 && weight.is_contiguous(), "rms_norm: layout");
+  const int64_t rows = x.size(0), n = x.size(1);
+  dispatch_float_types(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t xs = x.stride(0), os = out.stride(0);
+#pragma omp parallel num_threads(threads_for(rows, n))
+    {
+      std::vector<float> buf(n), wbuf(n);
+#pragma omp for
+      for (int64_t r = 0; r < rows; ++r)
+        rms_norm_row(xp + r * xs, wp, op + r * os, n, static_cast<float>(eps), buf.data(), wbuf.data());
+    }
+  });
+}
+
+// residual += x (rounded to the dtype), then x = weight * rms_norm(residual); both in place.
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(), "fused_add_rms_norm: layout");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  dispatch_float_types(x.scalar_type(), "fused_add_rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+#pragma omp parallel num_threads(threads_for(rows, n))
+    {
+      std::vector<float> a(n), b(n), wbuf(n);
+#pragma omp for
+      for (int64_t r = 0; r < rows; ++r) {
+        load_row(xp + r * n, a.data(), n);
+        load_row(rp + r * n, b.data(), n);
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) b[i] = round_through<scalar_t>(a[i] + b[i]);
+        store_row(b.data(), rp + r * n, n);
+        rms_norm_row(rp + r * n, wp, xp + r * n, n, static_cast<float>(eps), a.data(), wbuf.data());
+      }
+    }
+  });
+}
+
+// out[rows, I] = silu(x[:, :I]) * x[:, I:], each rounded to the dtype as eager torch does.
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "silu_and_mul: layout");
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  dispatch_float_types(x.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+#pragma omp parallel num_threads(threads_for(rows, inter))
+    {
+      std::vector<float> g(inter), u(inter);
+#pragma omp for
+      for (int64_t r = 0; r < rows; ++r) {
+        load_row(xp + r * 2 * inter, g.data(), inter);
+        load_row(xp + r * 2 * inter + inter, u.data(), inter);
+#pragma omp simd
+        for (int64_t i = 0; i < inter; ++i) {
+          const float s = round_through<scalar_t>(g[i] / (1.0f + std::exp(-g[i])));
+          g[i] = s * u[i];
+        }
+        store_row(g.data(), op + r * inter, inter);
+      }
+    }
+  });
+}
+
+// qkv [tokens, (heads + 2 * kv_heads) * head_dim]: rotates q in place (NeoX halves layout) and
+// writes the rotated k and v at slot_mapping into the caches. cos_sin [max_pos, head_dim]
+// holds cos in its first half and sin in its second, already in the activation dtype's values.
+void rope_and_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "rope_and_cache: layout");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(), "cos_sin must be float32");
+  const int64_t D = k_cache.size(3), half = D / 2, tokens = qkv.size(0);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv width disagrees with the heads");
+  const auto pos = positions.to(at::kLong).contiguous();
+  const auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const float* cs = cos_sin.data_ptr<float>();
+  const int64_t max_pos = cos_sin.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "position ", pp[t], " outside the rotary table");
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " outside the KV pool");
+  }
+  dispatch_float_types(qkv.scalar_type(), "rope_and_cache", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const int64_t row_stride = qkv.stride(0), kv_width = num_kv_heads * D;
+#pragma omp parallel num_threads(threads_for(tokens, (num_heads + num_kv_heads) * D))
+    {
+      std::vector<float> x(D), y(D);
+#pragma omp for
+      for (int64_t t = 0; t < tokens; ++t) {
+        const float* c = cs + pp[t] * D;
+        const float* s = c + half;
+        scalar_t* row = base + t * row_stride;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+          scalar_t* src = row + h * D;
+          scalar_t* dst = h < num_heads ? src : kc + sp[t] * kv_width + (h - num_heads) * D;
+          load_row(src, x.data(), D);
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) {
+            using T = scalar_t;
+            y[i] = round_through<T>(round_through<T>(x[i] * c[i]) - round_through<T>(x[i + half] * s[i]));
+            y[i + half] = round_through<T>(round_through<T>(x[i + half] * c[i]) + round_through<T>(x[i] * s[i]));
+          }
+          store_row(y.data(), dst, D);
+        }
+        std::memcpy(vc + sp[t] * kv_width, row + (num_heads + num_kv_heads) * D, kv_width * sizeof(scalar_t));
+      }
+    }
+  });
+}
+
+}  // namespace pagedserve

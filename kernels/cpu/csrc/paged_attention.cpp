@@ -1,0 +1,332 @@
+// Paged attention on the CPU: decode and (chunked) prefill read K/V in place through
+// the block table.
+//
+// Layout as kernels/reference.py: query [tokens, heads, head_dim] (rows may be strided,
+// e.g. a view into the fused QKV output), k/v cache [blocks, block_size, kv_heads,
+// head_dim], block_tables [seqs, max_blocks], query_start_loc [seqs + 1], context_lens
+// [seqs]. One work item is (sequence, KV head, tile of query tokens): its tile's
+// tokens x the query heads sharing that KV head form the rows of one online softmax,
+// so grouped-query attention reads each K/V block once per tile and never copies it
+// per head. Work is the sequence's own context (blocks past the tile's last position,
+// or before its sliding window, are never touched); items run in parallel on torch's
+// OpenMP threads with dynamic scheduling, as contexts differ.
+#include "common.h"
+#include "vec.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <vector>
+
+namespace pagedserve {
+namespace {
+
+constexpr int64_t kQueryTile = 16;  // query tokens per work item in chunks longer than one
+
+struct WorkItem {
+  int64_t seq, tile_start, tile_end, kv_head;
+};
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, scores, k, v;
+};
+
+template <typename T>
+void run_item_portable(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_stride, int64_t q_head_stride,
+              const T* k_cache, const T* v_cache, T* out, int64_t o_tok_stride, int64_t o_head_stride,
+              const int64_t* tables, int64_t table_stride, const int64_t* qsl, const int64_t* ctx_lens,
+              int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+              int64_t window) {
+  const int64_t D = head_dim, BS = block_size;
+  const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
+  const int64_t ctx = ctx_lens[w.seq];
+  const int64_t first_pos = ctx - q_len;  // position of the sequence's first new token
+  const int64_t rows = (w.tile_end - w.tile_start) * group;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = qsl[w.seq] + w.tile_start + r / group;
+    const int64_t head = w.kv_head * group + r % group;
+    float* qr = &s.q[r * D];
+    load_row(query + tok * q_tok_stride + head * q_head_stride, qr, D);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) qr[d] *= scale;
+    std::fill_n(&s.acc[r * D], D, 0.0f);
+    s.m[r] = -std::numeric_limits<float>::infinity();
+    s.l[r] = 0.0f;
+  }
+  const int64_t last_pos = first_pos + w.tile_end - 1;  // no key after this is seen
+  const int64_t lowest_pos = window > 0 ? std::max<int64_t>(0, first_pos + w.tile_start - window + 1) : 0;
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t* table = tables + w.seq * table_stride;
+  float* kt = s.k.data();  // the block's keys transposed, [D][BS]: scores come out BS lanes at a time
+  float* sc = s.scores.data();
+  for (int64_t b = lowest_pos / BS; b <= last_pos / BS; ++b) {
+    const int64_t block_start = b * BS;
+    const int64_t n_tok = std::min(BS, ctx - block_start);
+    const int64_t base = table[b] * BS * token_stride + w.kv_head * D;
+    float* row = s.v.data();
+    for (int64_t j = 0; j < n_tok; ++j) {
+      load_row(k_cache + base + j * token_stride, row, D);
+      for (int64_t d = 0; d < D; ++d) kt[d * BS + j] = row[d];
+    }
+    for (int64_t j = n_tok; j < BS; ++j)
+      for (int64_t d = 0; d < D; ++d) kt[d * BS + j] = 0.0f;
+    const float* vb;
+    int64_t v_stride;
+    if constexpr (std::is_same_v<T, float>) {
+      vb = v_cache + base;
+      v_stride = token_stride;
+    } else {
+      for (int64_t j = 0; j < n_tok; ++j) load_row(v_cache + base + j * token_stride, &s.v[j * D], D);
+      vb = s.v.data();
+      v_stride = D;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t q_pos = first_pos + w.tile_start + r / group;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, q_pos - window + 1) : 0;
+      const int64_t j_lo = std::max<int64_t>(0, lo - block_start);
+      const int64_t j_hi = std::min(n_tok - 1, q_pos - block_start);
+      if (j_lo > j_hi) continue;
+      const float* qr = &s.q[r * D];
+#pragma omp simd
+      for (int64_t j = 0; j < BS; ++j) sc[j] = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = qr[d];
+        const float* kd = kt + d * BS;
+#pragma omp simd
+        for (int64_t j = 0; j < BS; ++j) sc[j] += qd * kd[j];
+      }
+      float block_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = j_lo; j <= j_hi; ++j) block_max = std::max(block_max, sc[j]);
+      const float m_new = std::max(s.m[r], block_max);
+      float* acc = &s.acc[r * D];
+      if (s.m[r] != m_new) {
+        const float correction = s.m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_approx(s.m[r] - m_new);
+        s.l[r] *= correction;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+        s.m[r] = m_new;
+      }
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < BS; ++j) {
+        const float p = (j >= j_lo && j <= j_hi) ? exp_approx(sc[j] - m_new) : 0.0f;
+        sc[j] = p;
+        sum += p;
+      }
+      for (int64_t j = j_lo; j <= j_hi; ++j) {
+        const float p = sc[j];
+        const float* vr = vb + j * v_stride;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] += p * vr[d];
+      }
+      s.l[r] += sum;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = qsl[w.seq] + w.tile_start + r / group;
+    const int64_t head = w.kv_head * group + r % group;
+    float* acc = &s.acc[r * D];
+    const float inv = s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
+    store_row(acc, out + tok * o_tok_stride + head * o_head_stride, D);
+  }
+}
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+// The same computation with K/V rows read straight from the cache into vector registers
+// (widened from bfloat16/float16 on load): each key row is loaded once and dotted with
+// every query row of the item, each value row once and added into every row's output.
+template <typename T>
+void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_stride, int64_t q_head_stride,
+                   const T* k_cache, const T* v_cache, T* out, int64_t o_tok_stride, int64_t o_head_stride,
+                   const int64_t* tables, int64_t table_stride, const int64_t* qsl, const int64_t* ctx_lens,
+                   int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                   int64_t window) {
+  using namespace vec;
+  constexpr int kMaxChunks = 16;  // head_dim up to 16 vectors (256 with AVX-512, 128 with AVX2)
+  const int64_t D = head_dim, BS = block_size, chunks = D / kWidth;
+  const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
+  const int64_t ctx = ctx_lens[w.seq];
+  const int64_t first_pos = ctx - q_len;
+  const int64_t rows = (w.tile_end - w.tile_start) * group;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = qsl[w.seq] + w.tile_start + r / group;
+    const int64_t head = w.kv_head * group + r % group;
+    float* qr = &s.q[r * D];
+    load_row(query + tok * q_tok_stride + head * q_head_stride, qr, D);
+    for (int64_t d = 0; d < D; ++d) qr[d] *= scale;
+    std::fill_n(&s.acc[r * D], D, 0.0f);
+    s.m[r] = -std::numeric_limits<float>::infinity();
+    s.l[r] = 0.0f;
+  }
+  const int64_t last_pos = first_pos + w.tile_end - 1;
+  const int64_t lowest_pos = window > 0 ? std::max<int64_t>(0, first_pos + w.tile_start - window + 1) : 0;
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t* table = tables + w.seq * table_stride;
+  float* sc = s.scores.data();  // [rows][BS]: scores, then probabilities
+  V kv[kMaxChunks];
+  for (int64_t b = lowest_pos / BS; b <= last_pos / BS; ++b) {
+    const int64_t block_start = b * BS;
+    const int64_t n_tok = std::min(BS, ctx - block_start);
+    const int64_t base = table[b] * BS * token_stride + w.kv_head * D;
+    // key positions row r may see in this block: [j_lo(r), j_hi(r)]
+    auto j_lo = [&](int64_t r) {
+      const int64_t q_pos = first_pos + w.tile_start + r / group;
+      return window > 0 ? std::max<int64_t>(0, q_pos - window + 1 - block_start) : 0;
+    };
+    auto j_hi = [&](int64_t r) { return std::min(n_tok - 1, first_pos + w.tile_start + r / group - block_start); };
+    if (b < last_pos / BS) {
+      // the next block sits anywhere in the pool: fetch its rows while this one computes
+      const int64_t next = table[b + 1] * BS * token_stride + w.kv_head * D;
+      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+      for (int64_t j = 0; j < BS; ++j)
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + next + j * token_stride) + off, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + next + j * token_stride) + off, _MM_HINT_T0);
+        }
+    }
+    for (int64_t j = 0; j < n_tok; ++j) {
+      const T* kr = k_cache + base + j * token_stride;
+      for (int64_t c = 0; c < chunks; ++c) kv[c] = load(kr + c * kWidth);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = &s.q[r * D];
+        V acc = zero();
+        for (int64_t c = 0; c < chunks; ++c) acc = fmadd(load(qr + c * kWidth), kv[c], acc);
+        sc[r * BS + j] = reduce_add(acc);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t lo = j_lo(r), hi = j_hi(r);
+      float* row = sc + r * BS;
+      if (lo > hi) {
+        std::fill_n(row, BS, 0.0f);
+        continue;
+      }
+      float block_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = lo; j <= hi; ++j) block_max = std::max(block_max, row[j]);
+      const float m_new = std::max(s.m[r], block_max);
+      if (s.m[r] != m_new) {
+        const float correction =
+            s.m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_approx(s.m[r] - m_new);
+        s.l[r] *= correction;
+        float* acc = &s.acc[r * D];
+        const V cv = set1(correction);
+        for (int64_t c = 0; c < chunks; ++c) store(acc + c * kWidth, mul(load(acc + c * kWidth), cv));
+        s.m[r] = m_new;
+      }
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < BS; ++j) {
+        const float p = (j >= lo && j <= hi) ? exp_approx(row[j] - m_new) : 0.0f;
+        row[j] = p;
+        sum += p;
+      }
+      s.l[r] += sum;
+    }
+    for (int64_t j = 0; j < n_tok; ++j) {
+      const T* vr = v_cache + base + j * token_stride;
+      for (int64_t c = 0; c < chunks; ++c) kv[c] = load(vr + c * kWidth);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float p = sc[r * BS + j];
+        if (p == 0.0f) continue;
+        float* acc = &s.acc[r * D];
+        const V pv = set1(p);
+        for (int64_t c = 0; c < chunks; ++c) store(acc + c * kWidth, fmadd(pv, kv[c], load(acc + c * kWidth)));
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = qsl[w.seq] + w.tile_start + r / group;
+    const int64_t head = w.kv_head * group + r % group;
+    float* acc = &s.acc[r * D];
+    const float inv = s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
+    store_row(acc, out + tok * o_tok_stride + head * o_head_stride, D);
+  }
+}
+#endif
+
+template <typename T>
+void run_item(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_stride, int64_t q_head_stride,
+              const T* k_cache, const T* v_cache, T* out, int64_t o_tok_stride, int64_t o_head_stride,
+              const int64_t* tables, int64_t table_stride, const int64_t* qsl, const int64_t* ctx_lens,
+              int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+              int64_t window, bool simd) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+  if (simd)
+    return run_item_simd(w, s, query, q_tok_stride, q_head_stride, k_cache, v_cache, out, o_tok_stride,
+                         o_head_stride, tables, table_stride, qsl, ctx_lens, group, num_kv_heads, head_dim,
+                         block_size, scale, window);
+#endif
+  run_item_portable(w, s, query, q_tok_stride, q_head_stride, k_cache, v_cache, out, o_tok_stride, o_head_stride,
+                    tables, table_stride, qsl, ctx_lens, group, num_kv_heads, head_dim, block_size, scale, window);
+}
+
+}  // namespace
+
+// out[tokens, heads, head_dim] = causal attention of each sequence's new queries over its paged context.
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                     const at::Tensor& context_lens, double scale, int64_t sliding_window) {
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [tokens, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "k/v cache must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be the innermost, dense axis");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "query, out and caches must share a dtype");
+  const auto tables = block_tables.to(at::kLong).contiguous();
+  const auto qsl = query_start_loc.to(at::kLong).contiguous();
+  const auto ctx = context_lens.to(at::kLong).contiguous();
+  const int64_t num_seqs = ctx.numel();
+  TORCH_CHECK(qsl.numel() == num_seqs + 1 && tables.size(0) == num_seqs, "per-sequence tensors disagree");
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t* qsl_p = qsl.data_ptr<int64_t>();
+  const int64_t* ctx_p = ctx.data_ptr<int64_t>();
+  const int64_t* tab_p = tables.data_ptr<int64_t>();
+
+  std::vector<WorkItem> items;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t q_len = qsl_p[i + 1] - qsl_p[i];
+    TORCH_CHECK(q_len >= 0 && q_len <= ctx_p[i], "sequence ", i, ": more new tokens than context");
+    TORCH_CHECK((ctx_p[i] + block_size - 1) / block_size <= tables.size(1), "sequence ", i,
+                ": block table too short for its context");
+    for (int64_t t = 0; t < q_len; t += kQueryTile)
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({i, t, std::min(q_len, t + kQueryTile), h});
+  }
+  const int64_t max_rows = kQueryTile * group;
+  const bool simd = vec::kHaveVec && head_dim % vec::kWidth == 0 && head_dim / vec::kWidth <= 16 &&
+                    !std::getenv("PAGEDSERVE_PORTABLE_ATTENTION");
+  dispatch_float_types(query.scalar_type(), "paged_attention", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t n_items = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items)))
+    {
+      Scratch s;
+      s.q.resize(max_rows * head_dim);
+      s.acc.resize(max_rows * head_dim);
+      s.m.resize(max_rows);
+      s.l.resize(max_rows);
+      s.scores.resize(max_rows * block_size);
+      s.k.resize(block_size * head_dim);  // keys, transposed
+      s.v.resize(block_size * head_dim);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < n_items; ++i)
+        run_item(items[i], s, q, query.stride(0), query.stride(1), kc, vc, o, out.stride(0), out.stride(1), tab_p,
+                 tables.size(1), qsl_p, ctx_p, group, num_kv_heads, head_dim, block_size, static_cast<float>(scale),
+                 sliding_window, simd);
+    }
+  });
+}
+
+}  // namespace pagedserve

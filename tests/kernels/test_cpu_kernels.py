@@ -1,0 +1,119 @@
+"""The C++ CPU kernels (kernels/cpu) against the torch reference they replace.
+
+Paged attention on scattered block tables with partial blocks, context 1 and block
+boundaries, GQA ratios 1/3/4, block sizes 8/16/32, decode and chunked prefill mixed in
+one step, sliding windows, float32 and bfloat16; and each fused op of a decoder layer.
+Outputs are compared with the float32 reference over the same rounded inputs: float32
+within float32 rounding, bfloat16 within one bfloat16 rounding of the output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.cpu.build import load
+from tests.kernels.paged_batch import build, param_id
+
+ext = load()
+pytestmark = pytest.mark.skipif(ext is None, reason="the C++ CPU extension failed to build (see the warning)")
+
+if ext is not None:
+    from kernels.cpu.backend import make_backend
+
+    cpu = make_backend(ext)
+
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1e-2, 2**-7)}
+
+
+def mixed(block_size):
+    return [
+        (1, 1),  # context of one token
+        (block_size, 1),  # decode on a block boundary
+        (block_size + 1, 1),  # one token into a new block
+        (3 * block_size + 5, 1),  # partial last block
+        (2 * block_size, 2 * block_size),  # whole prompt ending on a boundary
+        (50, 13),  # chunk over earlier context
+        (40, 39),  # prefix-cache hit of one token
+        (3 * block_size + 7, 3 * block_size + 7),  # long prompt, several query tiles
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2)], ids=["mha", "gqa3", "gqa4"])
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_attention_matches_reference(dtype, block_size, heads, window):
+    num_heads, num_kv_heads = heads
+    inputs = build(mixed(block_size), num_heads, num_kv_heads, 64, block_size, dtype, pad_columns=2)
+    expected = reference.paged_attention(
+        **{k: (v.float() if k in ("query", "k_cache", "v_cache") else v) for k, v in inputs.items()},
+        sliding_window=window)
+    actual = cpu.paged_attention(**inputs, sliding_window=window)
+    assert actual.dtype == dtype
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.float(), expected, atol=atol, rtol=rtol)
+
+
+def test_paged_attention_reads_a_strided_query():
+    """q as a view into the fused QKV output (rows wider than heads x head_dim)."""
+    inputs = build([(33, 1), (20, 5)], 9, 3, 64, 16, torch.float32)
+    n = inputs["query"].shape[0]
+    qkv = torch.randn(n, 15 * 64)
+    qkv[:, : 9 * 64] = inputs["query"].reshape(n, -1)
+    inputs["query"] = qkv[:, : 9 * 64].view(n, 9, 64)
+    expected = reference.paged_attention(**{**inputs, "query": inputs["query"].contiguous()})
+    torch.testing.assert_close(cpu.paged_attention(**inputs), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_paged_attention_rejects_a_short_block_table():
+    inputs = build([(40, 1)], 4, 4, 64, 16, torch.float32)
+    inputs["block_tables"] = inputs["block_tables"][:, :2]
+    with pytest.raises(RuntimeError, match="block table too short"):
+        cpu.paged_attention(**inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_norms_and_silu_match_reference(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).to(dtype)
+    res = torch.randn(rows, 576, generator=gen).to(dtype)
+    w = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+    atol, rtol = (1e-6, 1e-6) if dtype == torch.float32 else (0, 2**-7)
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), atol=atol, rtol=rtol)
+    want_x, want_res = reference.fused_add_rms_norm(x, res, w, 1e-5)
+    got_x, got_res = cpu.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    torch.testing.assert_close(got_res, want_res, atol=0, rtol=0)
+    torch.testing.assert_close(got_x, want_x, atol=atol, rtol=rtol)
+    gate_up = torch.randn(rows, 2 * 1536, generator=gen).to(dtype) * 4
+    torch.testing.assert_close(cpu.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+def test_rope_and_cache_matches_reference(dtype):
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    n = 21
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    positions = torch.randint(0, 500, (n,), generator=gen)
+    slots = torch.randperm(10 * bs, generator=gen)[:n]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(512).float()[:, None] * inv_freq
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype).float()
+    caches = [torch.zeros(10, bs, kv_heads, d, dtype=dtype) for _ in range(4)]
+    want_q = reference.rope_and_cache(qkv.clone(), positions, cos_sin, caches[0], caches[1], slots, heads, kv_heads)
+    got_q = cpu.rope_and_cache(qkv.clone(), positions, cos_sin, caches[2], caches[3], slots, heads, kv_heads)
+    atol, rtol = (1e-6, 1e-6) if dtype == torch.float32 else (0, 0)
+    torch.testing.assert_close(got_q, want_q, atol=atol, rtol=rtol)
+    torch.testing.assert_close(caches[2], caches[0], atol=atol, rtol=rtol)
+    torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0)
+
+
+def test_rope_and_cache_rejects_a_slot_outside_the_pool():
+    qkv = torch.randn(1, 3 * 64)
+    caches = [torch.zeros(2, 16, 1, 64) for _ in range(2)]
+    cos_sin = torch.zeros(8, 64)
+    with pytest.raises(RuntimeError, match="outside the KV pool"):
+        cpu.rope_and_cache(qkv, torch.tensor([0]), cos_sin, *caches, torch.tensor([32]), 1, 1)
