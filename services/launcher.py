@@ -43,7 +43,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
@@ -60,7 +60,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor-threads", type=int, default=None, help="torch threads in the executor")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="on CUDA, the fraction of GPU memory the executor may use (KV pool sizing)")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "triton", "torch"])
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="no CUDA graphs for decode steps")
     parser.add_argument("--request-timeout", type=float, default=600.0)

@@ -21,9 +21,10 @@ from torch import Tensor
 from kernels.attention import get_backend
 from services.executor.batch import BatchMetadata, InvalidStep
 from services.executor.cuda_graphs import DecodeGraphs
+from services.executor.dtype_choice import resolve_dtype
 from services.executor.gpu_memory import kv_cache_budget, profile_step
 from services.executor.kv_cache import DEFAULT_KV_CACHE_MEMORY, KVCache, bytes_per_block
-from services.executor.loader import load_model, parse_dtype
+from services.executor.loader import load_model
 from services.executor.models.llama import head_dim_of, num_kv_heads_of
 from services.executor.sampler import Sampler
 from services.executor.swap_space import SwapSpace
@@ -32,11 +33,21 @@ from shared.messages import ExecuteStep
 log = logging.getLogger(__name__)
 
 
+def _checkpoint_dtype(model_dir: str | Path) -> str | None:
+    try:
+        import json
+
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("torch_dtype") or config.get("dtype")
+
+
 class ModelRunner:
     def __init__(
         self,
         model_dir: str | Path,
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype = "auto",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,
@@ -54,7 +65,7 @@ class ModelRunner:
             if self.device.index is not None:
                 torch.cuda.set_device(self.device)
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.dtype = parse_dtype(dtype)
+        self.dtype = resolve_dtype(dtype, self.device, _checkpoint_dtype(model_dir))
         self.block_size = block_size
         self.backend = get_backend(attention_backend, device)
         self.model = load_model(model_dir, self.dtype, self.device, self.backend)

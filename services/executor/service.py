@@ -41,7 +41,8 @@ POLL_MS = 100  # how often the idle loop looks at the stop flag
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     add_model_args(parser)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="auto: bfloat16 on CUDA and on CPUs with bfloat16 matrix instructions, else float32")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="pool size; wins over --kv-cache-memory")
     parser.add_argument("--kv-cache-memory", type=parse_size, default=None,
@@ -51,8 +52,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--executor-id", default=None, help="name in heartbeats and ExecutorReady")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
-                        help="auto: Triton kernels on CUDA, the torch reference elsewhere")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "triton", "torch"],
+                        help="auto: Triton kernels on CUDA, the C++ CPU kernels on the CPU (the torch reference if they cannot be built)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="on CUDA, the fraction of GPU memory the executor may use; the KV pool gets what "
                              "a profiling pass of the largest batch leaves (unless sized explicitly)")
