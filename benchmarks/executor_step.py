@@ -6,6 +6,10 @@ the median step time, output tok/s, the forward pass's share of the step, and th
 attention backend and dtype that ran, so kernel and dtype choices compare side by side.
 
     python -m benchmarks.executor_step [--batches 1 16 64] [--dtype auto] [--backend auto]
+    python -m benchmarks.executor_step --compare torch:bfloat16 torch:float32 auto:auto
+
+--compare runs each backend:dtype pair in turn in one process (the same prompts and
+block tables) and prints tok/s per batch size with the ratio to the first pair.
 """
 
 from __future__ import annotations
@@ -72,7 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kv-blocks", type=int, default=4096)
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops for the last batch")
+    p.add_argument("--compare", nargs="+", metavar="BACKEND:DTYPE", help="configurations to run side by side")
     args = p.parse_args(argv)
+    if args.compare:
+        compare(args)
+        return
     runner = ModelRunner(resolve_model(args.model), dtype=args.dtype, num_kv_blocks=args.kv_blocks,
                          attention_backend=args.backend, max_num_seqs=max(args.batches))
     print(f"dtype {runner.dtype}, backend {runner.backend.name}, threads {torch.get_num_threads()}")
@@ -85,6 +93,22 @@ def main(argv: list[str] | None = None) -> None:
         prof = profile(activities=[ProfilerActivity.CPU])
         time_batch(runner, args.batches[-1], args.context, args.steps, decode_context=lambda: prof)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def compare(args) -> None:
+    rows: dict[str, dict[int, float]] = {}
+    for config in args.compare:
+        backend, dtype = config.split(":")
+        runner = ModelRunner(resolve_model(args.model), dtype=dtype, num_kv_blocks=args.kv_blocks,
+                             attention_backend=backend, max_num_seqs=max(args.batches))
+        label = f"{runner.backend.name}:{str(runner.dtype).removeprefix('torch.')} ({config})"
+        rows[label] = {b: time_batch(runner, b, args.context, args.steps)["tok_s"] for b in args.batches}
+        print(label, {b: round(v, 1) for b, v in rows[label].items()}, flush=True)
+        del runner
+    base = next(iter(rows.values()))
+    print(f"\n{'configuration':42}" + "".join(f"{f'B={b} tok/s':>14}{'ratio':>7}" for b in args.batches))
+    for label, by_batch in rows.items():
+        print(f"{label:42}" + "".join(f"{by_batch[b]:>14.1f}{by_batch[b] / base[b]:>7.2f}" for b in args.batches))
 
 
 if __name__ == "__main__":
