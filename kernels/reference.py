@@ -156,9 +156,10 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 
 def rope_and_cache(qkv: Tensor, positions: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   slot_mapping: Tensor, num_heads: int, num_kv_heads: int) -> Tensor:
-    """Rotary embedding on q and k (halves layout), k and v written at their slots; returns q
-    [tokens, heads, head_dim]. cos_sin [max_pos, head_dim] is float32 holding cos | sin."""
+                   slot_mapping: Tensor, num_heads: int, num_kv_heads: int, write_kv=None) -> Tensor:
+    """Rotary embedding on q and k (halves layout), k and v written at their slots (by `write_kv`,
+    a backend's own cache write, or `write_kv_to_cache`); returns q [tokens, heads, head_dim].
+    cos_sin [max_pos, head_dim] is float32 holding cos | sin."""
     n, head_dim = qkv.shape[0], k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     cos, sin = cos_sin[positions].to(qkv.dtype)[:, None, :].chunk(2, dim=-1)
@@ -169,5 +170,5 @@ def rope_and_cache(qkv: Tensor, positions: Tensor, cos_sin: Tensor, k_cache: Ten
 
     q = rotate(q.reshape(n, num_heads, head_dim))
     k = rotate(k.reshape(n, num_kv_heads, head_dim))
-    write_kv_to_cache(k, v.reshape(n, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
+    (write_kv or write_kv_to_cache)(k, v.reshape(n, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
     return q

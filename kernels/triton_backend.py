@@ -11,8 +11,11 @@ when this module is imported), where it is slow but exact enough to test against
 
 from __future__ import annotations
 
+import functools
+
 from torch import Tensor
 
+from kernels import reference
 from kernels.attention import AttentionBackend, register_backend
 from kernels.cache_ops import copy_blocks, write_kv_to_cache
 from kernels.paged_decode import _decode_kernel, paged_attention_decode
@@ -45,5 +48,7 @@ TRITON = AttentionBackend(
     devices=("cuda",),
     slow_devices=("cpu",) if is_interpreted(_decode_kernel) else (),
     graph_safe=True,
+    # its cache write skips the padding rows (slot -1) of a CUDA graph's batch
+    rope_and_cache=functools.partial(reference.rope_and_cache, write_kv=write_kv_to_cache),
 )
 register_backend(TRITON, preferred=True)

@@ -21,7 +21,7 @@ pytestmark = runnable
 def test_backend_choice():
     assert get_backend("triton", "cuda") is TRITON
     assert get_backend("auto", "cuda") is TRITON
-    assert get_backend("auto", "cpu").name == "torch"  # never the interpreter unless asked for
+    assert get_backend("auto", "cpu").name in ("cpu", "torch")  # never the interpreter unless asked for
     if INTERPRETED:
         assert get_backend("triton", "cpu") is TRITON
     with pytest.raises(ValueError):
