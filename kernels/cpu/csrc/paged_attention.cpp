@@ -33,16 +33,11 @@ struct Scratch {
   std::vector<float> q, acc, m, l, scores, k, v;
 };
 
+// Loads the item's query rows (tile tokens x the heads sharing its KV head), scaled, and
+// resets their softmax state.
 template <typename T>
-void run_item_portable(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_stride, int64_t q_head_stride,
-              const T* k_cache, const T* v_cache, T* out, int64_t o_tok_stride, int64_t o_head_stride,
-              const int64_t* tables, int64_t table_stride, const int64_t* qsl, const int64_t* ctx_lens,
-              int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-              int64_t window) {
-  const int64_t D = head_dim, BS = block_size;
-  const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
-  const int64_t ctx = ctx_lens[w.seq];
-  const int64_t first_pos = ctx - q_len;  // position of the sequence's first new token
+void init_rows(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_stride, int64_t q_head_stride,
+               const int64_t* qsl, int64_t group, int64_t D, float scale) {
   const int64_t rows = (w.tile_end - w.tile_start) * group;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = qsl[w.seq] + w.tile_start + r / group;
@@ -55,6 +50,61 @@ void run_item_portable(const WorkItem& w, Scratch& s, const T* query, int64_t q_
     s.m[r] = -std::numeric_limits<float>::infinity();
     s.l[r] = 0.0f;
   }
+}
+
+// One online-softmax update of row r by a block's scores sc[lo..hi]: rescales its running sum
+// and output to the new maximum, and turns sc[0..block_size) into probabilities (0 outside lo..hi).
+inline void softmax_update(Scratch& s, int64_t r, float* sc, int64_t lo, int64_t hi, int64_t block_size,
+                           int64_t D) {
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int64_t j = lo; j <= hi; ++j) block_max = std::max(block_max, sc[j]);
+  const float m_new = std::max(s.m[r], block_max);
+  if (s.m[r] != m_new) {
+    const float correction = s.m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_approx(s.m[r] - m_new);
+    s.l[r] *= correction;
+    float* acc = &s.acc[r * D];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+    s.m[r] = m_new;
+  }
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < block_size; ++j) {
+    const float p = (j >= lo && j <= hi) ? exp_approx(sc[j] - m_new) : 0.0f;
+    sc[j] = p;
+    sum += p;
+  }
+  s.l[r] += sum;
+}
+
+// Divides each row's output by its softmax sum and stores it in the output's dtype.
+template <typename T>
+void store_rows(const WorkItem& w, Scratch& s, T* out, int64_t o_tok_stride, int64_t o_head_stride,
+                const int64_t* qsl, int64_t group, int64_t D) {
+  const int64_t rows = (w.tile_end - w.tile_start) * group;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = qsl[w.seq] + w.tile_start + r / group;
+    const int64_t head = w.kv_head * group + r % group;
+    float* acc = &s.acc[r * D];
+    const float inv = s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
+    store_row(acc, out + tok * o_tok_stride + head * o_head_stride, D);
+  }
+}
+
+template <typename T>
+void run_item_portable(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_stride, int64_t q_head_stride,
+              const T* k_cache, const T* v_cache, T* out, int64_t o_tok_stride, int64_t o_head_stride,
+              const int64_t* tables, int64_t table_stride, const int64_t* qsl, const int64_t* ctx_lens,
+              int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+              int64_t window) {
+  const int64_t D = head_dim, BS = block_size;
+  const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
+  const int64_t ctx = ctx_lens[w.seq];
+  const int64_t first_pos = ctx - q_len;  // position of the sequence's first new token
+  const int64_t rows = (w.tile_end - w.tile_start) * group;
+  init_rows(w, s, query, q_tok_stride, q_head_stride, qsl, group, D, scale);
   const int64_t last_pos = first_pos + w.tile_end - 1;  // no key after this is seen
   const int64_t lowest_pos = window > 0 ? std::max<int64_t>(0, first_pos + w.tile_start - window + 1) : 0;
   const int64_t token_stride = num_kv_heads * D;
@@ -97,42 +147,17 @@ void run_item_portable(const WorkItem& w, Scratch& s, const T* query, int64_t q_
 #pragma omp simd
         for (int64_t j = 0; j < BS; ++j) sc[j] += qd * kd[j];
       }
-      float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = j_lo; j <= j_hi; ++j) block_max = std::max(block_max, sc[j]);
-      const float m_new = std::max(s.m[r], block_max);
+      softmax_update(s, r, sc, j_lo, j_hi, BS, D);
       float* acc = &s.acc[r * D];
-      if (s.m[r] != m_new) {
-        const float correction = s.m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_approx(s.m[r] - m_new);
-        s.l[r] *= correction;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
-        s.m[r] = m_new;
-      }
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < BS; ++j) {
-        const float p = (j >= j_lo && j <= j_hi) ? exp_approx(sc[j] - m_new) : 0.0f;
-        sc[j] = p;
-        sum += p;
-      }
       for (int64_t j = j_lo; j <= j_hi; ++j) {
         const float p = sc[j];
         const float* vr = vb + j * v_stride;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) acc[d] += p * vr[d];
       }
-      s.l[r] += sum;
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t tok = qsl[w.seq] + w.tile_start + r / group;
-    const int64_t head = w.kv_head * group + r % group;
-    float* acc = &s.acc[r * D];
-    const float inv = s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
-    store_row(acc, out + tok * o_tok_stride + head * o_head_stride, D);
-  }
+  store_rows(w, s, out, o_tok_stride, o_head_stride, qsl, group, D);
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -152,16 +177,7 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
   const int64_t ctx = ctx_lens[w.seq];
   const int64_t first_pos = ctx - q_len;
   const int64_t rows = (w.tile_end - w.tile_start) * group;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t tok = qsl[w.seq] + w.tile_start + r / group;
-    const int64_t head = w.kv_head * group + r % group;
-    float* qr = &s.q[r * D];
-    load_row(query + tok * q_tok_stride + head * q_head_stride, qr, D);
-    for (int64_t d = 0; d < D; ++d) qr[d] *= scale;
-    std::fill_n(&s.acc[r * D], D, 0.0f);
-    s.m[r] = -std::numeric_limits<float>::infinity();
-    s.l[r] = 0.0f;
-  }
+  init_rows(w, s, query, q_tok_stride, q_head_stride, qsl, group, D, scale);
   const int64_t last_pos = first_pos + w.tile_end - 1;
   const int64_t lowest_pos = window > 0 ? std::max<int64_t>(0, first_pos + w.tile_start - window + 1) : 0;
   const int64_t token_stride = num_kv_heads * D;
@@ -205,26 +221,7 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
         std::fill_n(row, BS, 0.0f);
         continue;
       }
-      float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = lo; j <= hi; ++j) block_max = std::max(block_max, row[j]);
-      const float m_new = std::max(s.m[r], block_max);
-      if (s.m[r] != m_new) {
-        const float correction =
-            s.m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_approx(s.m[r] - m_new);
-        s.l[r] *= correction;
-        float* acc = &s.acc[r * D];
-        const V cv = set1(correction);
-        for (int64_t c = 0; c < chunks; ++c) store(acc + c * kWidth, mul(load(acc + c * kWidth), cv));
-        s.m[r] = m_new;
-      }
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < BS; ++j) {
-        const float p = (j >= lo && j <= hi) ? exp_approx(row[j] - m_new) : 0.0f;
-        row[j] = p;
-        sum += p;
-      }
-      s.l[r] += sum;
+      softmax_update(s, r, row, lo, hi, BS, D);
     }
     for (int64_t j = 0; j < n_tok; ++j) {
       const T* vr = v_cache + base + j * token_stride;
@@ -238,14 +235,7 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t tok = qsl[w.seq] + w.tile_start + r / group;
-    const int64_t head = w.kv_head * group + r % group;
-    float* acc = &s.acc[r * D];
-    const float inv = s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
-    store_row(acc, out + tok * o_tok_stride + head * o_head_stride, D);
-  }
+  store_rows(w, s, out, o_tok_stride, o_head_stride, qsl, group, D);
 }
 #endif
 

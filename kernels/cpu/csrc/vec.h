@@ -17,7 +17,6 @@ using V = __m512;
 inline V zero() { return _mm512_setzero_ps(); }
 inline V set1(float x) { return _mm512_set1_ps(x); }
 inline V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
 inline float reduce_add(V a) { return _mm512_reduce_add_ps(a); }
 inline V load(const float* p) { return _mm512_loadu_ps(p); }
 inline V load(const c10::BFloat16* p) {
@@ -33,7 +32,6 @@ using V = __m256;
 inline V zero() { return _mm256_setzero_ps(); }
 inline V set1(float x) { return _mm256_set1_ps(x); }
 inline V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
 inline float reduce_add(V a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
