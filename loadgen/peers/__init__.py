@@ -1,6 +1,6 @@
 """Peers: the servers users would pick instead of pagedserve, started the same way on 127.0.0.1.
 
-- `pagedserve`: this project's server (`pagedserve serve --model smollm2 --dtype float32`);
+- `pagedserve`: this project's server (`pagedserve serve --model smollm2`, its defaults);
 - `transformers`, `transformers-cb`: `transformers serve` without and with
   `--continuous-batching` (transformers_serve.py);
 - `llamacpp`: llama.cpp's C++ server with parallel slots and continuous batching, from the

@@ -42,8 +42,7 @@ def command(kind: str, port: int, threads: int | None = None) -> list[str]:
 
     extra = [] if threads is None else [f"--{'executor-threads' if kind == 'pagedserve' else 'threads'}", str(threads)]
     if kind == "pagedserve":
-        return [sys.executable, "-m", "services.cli", "serve", "--model", "smollm2", "--port", str(port),
-                "--dtype", "float32", *extra]
+        return [sys.executable, "-m", "services.cli", "serve", "--model", "smollm2", "--port", str(port), *extra]
     if kind in ("transformers", "transformers-cb"):
         cmd = [str(peers_python()), "-m", "loadgen.peers.transformers_serve", "--port", str(port),
                "--model-dir", str(resolve_model("smollm2"))]

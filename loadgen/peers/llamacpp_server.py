@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=8, help="slots decoded together")
     parser.add_argument("--ctx", type=int, default=16384, help="KV cache tokens, shared by all slots")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--split-kv", action="store_true",
+                        help="each slot its own ctx/parallel tokens of KV instead of one unified cache "
+                             "(faster with many slots: 144 vs 91 tok/s at 64 slots in issue 9's run)")
     args = parser.parse_args(argv)
 
     import xllamacpp as xlc
@@ -43,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     params.port = args.port
     params.n_parallel = args.parallel
     params.cont_batching = True
-    params.kv_unified = True
+    params.kv_unified = not args.split_kv
     params.n_ctx = args.ctx
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
