@@ -7,13 +7,15 @@ Stages never import each other: this module is their whole contract.
 
 from __future__ import annotations
 
+from typing import Any
+
 from msgspec import Struct
 
 
 class SamplingParams(Struct, frozen=True):
     """What the user asked for; validated by the gateway, carried end to end."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the rest of the context (the tokenizer stage resolves it)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k cut
@@ -26,6 +28,39 @@ class SamplingParams(Struct, frozen=True):
     use_beam_search: bool = False  # then n best of beam_width beams, greedy and deterministic
     beam_width: int = 4
     length_penalty: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0  # OpenAI's: on the tokens generated so far
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # transformers' / vLLM's: on the prompt and the output
+    logit_bias: list[tuple[int, float]] = []  # (token id, bias added to its logit)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
+    allowed_token_ids: list[int] = []  # empty: every token
+    logprobs: int | None = None  # per output token: its logprob and this many top candidates
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    echo: bool = False  # the tokenizer stage sends the prompt's text back with the first delta
+
+
+class ChatOptions(Struct, frozen=True):
+    """How chat messages become a prompt (vLLM's chat fields)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = {}  # chat_template_kwargs, passed to the template
+
+
+class TokenLogprob(Struct, array_like=True, gc=False):
+    """One token's log-probability (log-softmax of the model's raw logits), its rank in the
+    vocabulary (1 = most likely), and the top candidates at its position, best first.
+    token and bytes are filled in by the tokenizer stage."""
+
+    token_id: int
+    logprob: float
+    rank: int = 0
+    top: list[TokenLogprob] = []
+    token: str = ""
+    bytes: list[int] = []
 
 
 class ChatMessage(Struct, frozen=True):
@@ -44,6 +79,8 @@ class GenerateRequest(Struct, tag=True):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+    chat: ChatOptions | None = None
+    add_special_tokens: bool | None = None  # None: the default for the prompt's kind
 
 
 class AbortRequest(Struct, tag=True):
@@ -52,7 +89,17 @@ class AbortRequest(Struct, tag=True):
     request_id: str
 
 
-GatewayToTokenizer = GenerateRequest | AbortRequest
+class WatchPool(Struct, tag=True):
+    """A dashboard page is open: the scheduler sends a PoolSnapshot on the status
+    channel every interval_s until ttl_s after it received this message. The gateway
+    renews it while a page watches, so nothing is sent once nobody does. The tokenizer
+    replica that takes it passes it on to the scheduler unchanged."""
+
+    interval_s: float = 0.25
+    ttl_s: float = 3.0
+
+
+GatewayToTokenizer = GenerateRequest | AbortRequest | WatchPool
 
 
 # --- tokenizer -> gateway -------------------------------------------------------------
@@ -69,6 +116,13 @@ class TextDelta(Struct, tag=True):
     finish_reason: str | None = None
     token_ids: list[int] = []  # the output tokens this delta covers, shown in text or not
     seq_index: int = 0
+    logprobs: list[TokenLogprob] = []  # one per token_ids entry, when asked
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+    # on a sequence's first delta, when asked (echo, prompt_logprobs): the prompt itself
+    prompt_text: str | None = None
+    prompt_token_ids: list[int] = []
+    prompt_logprobs: list[TokenLogprob] = []  # for prompt tokens 1.. (token 0 has none)
 
 
 class RequestError(Struct, tag=True):
@@ -112,7 +166,7 @@ class FinishRequest(Struct, tag=True):
     seq_index: int | None = None
 
 
-TokenizerToScheduler = TokenizedRequest | FinishRequest | AbortRequest
+TokenizerToScheduler = TokenizedRequest | FinishRequest | AbortRequest | WatchPool
 
 
 # --- scheduler -> tokenizer -----------------------------------------------------------
@@ -127,6 +181,10 @@ class TokenDelta(Struct, tag=True):
     num_prompt_tokens: int
     finish_reason: str | None = None
     seq_index: int = 0
+    logprobs: list[TokenLogprob] = []  # one per token_ids entry, when asked
+    stop_token_id: int | None = None  # the token that ended it with "stop"
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (first delta)
+    prompt_logprobs: list[TokenLogprob] = []  # prompt tokens 1.., on the request's first delta
 
 
 SchedulerToTokenizer = TokenDelta | RequestError
@@ -140,6 +198,20 @@ class SeqSampling(Struct, frozen=True):
     top_p: float
     top_k: int
     seed: int | None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = []
+    allowed_token_ids: list[int] = []
+    min_tokens: int = 0
+    min_tokens_mask: list[int] = []  # tokens masked while output_index < min_tokens (EOS, stop ids)
+    logprobs: int | None = None  # return the sampled token's logprob and this many top ones
+
+    @property
+    def needs_history(self) -> bool:
+        """The penalties read the tokens generated so far."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 class ScheduledSeq(Struct):
@@ -161,6 +233,14 @@ class ScheduledSeq(Struct):
     output_index: int
     sampling: SeqSampling
     num_logprobs: int = 0  # also return this many top (token, logprob) candidates (beams)
+    # the tokens generated so far (when the penalties need them), and the prompt too for
+    # repetition_penalty
+    output_token_ids: list[int] = []
+    prompt_token_ids: list[int] = []
+    # prompt scoring: the first len(score_targets) new tokens' positions are scored against
+    # these next tokens, with prompt_logprobs top candidates each
+    score_targets: list[int] = []
+    prompt_logprobs: int = 0
 
 
 class ExecuteStep(Struct, tag=True):
@@ -194,6 +274,7 @@ class ExecutorReady(Struct, tag=True):
     # the executor process's instance id: a repeat from the same instance (an answer to a
     # SchedulerHello) is not a restart
     instance: str = ""
+    vocab_size: int = 0  # token ids from peers are checked against it (0: not checked)
 
 
 class StepResult(Struct, tag=True):
@@ -204,6 +285,10 @@ class StepResult(Struct, tag=True):
     forward_s: float
     # top candidates of the seqs that asked (num_logprobs > 0), in step order, best first
     top_logprobs: list[list[tuple[int, float]]] = []
+    # the sampled token's logprob, by sampled seq whose sampling asks (logprobs set), in step order
+    logprobs: list[TokenLogprob] = []
+    # the scored positions of the seqs with score_targets, in step order
+    prompt_logprobs: list[list[TokenLogprob]] = []
 
 
 class StepFailed(Struct, tag=True):
@@ -253,4 +338,71 @@ class Heartbeat(Struct, tag=True):
     instance: str = ""  # new for every process, so a restart shows even under the same name
 
 
-StatusToGateway = Heartbeat
+# A block's state in PoolSnapshot.states: the byte is the index in BLOCK_STATES.
+# free: holds nothing worth keeping; owned: one sequence holds it; shared: several do
+# (reference count > 1: parallel samples, beams, prefix-cache hits); cached: kept by the
+# prefix cache, held by nobody, evictable; swapped: a host swap-space block holding a
+# swapped-out sequence's KV (swap_states only); reserved: part of a contiguous
+# reservation held for a fork that has not started (--kv-policy reserve-*).
+BLOCK_STATES = ("free", "owned", "shared", "cached", "swapped", "reserved")
+BLOCK_FREE, BLOCK_OWNED, BLOCK_SHARED, BLOCK_CACHED, BLOCK_SWAPPED, BLOCK_RESERVED = range(6)
+
+
+class PoolRow(Struct):
+    """One sequence the scheduler knows: status "running", "waiting" or "swapped"."""
+
+    request_id: str
+    seq_index: int
+    status: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int
+    max_tokens: int
+    num_preemptions: int
+    block_table: list[int]  # device blocks, logical order
+    swapped_blocks: list[int] = []  # host swap-space blocks while swapped out
+
+
+class PoolSnapshot(Struct, tag=True):
+    """The KV pool of one scheduler, sent while a dashboard watches (see WatchPool).
+
+    Per-block arrays are packed, one entry per block in block order: states one byte
+    (an index in BLOCK_STATES); owners little-endian uint32, 1 + the index in rows of
+    the first listed sequence holding the block, 0 for none or an unlisted one;
+    ref_counts and fill little-endian uint16 (holders, capped at 65535; slots holding
+    computed tokens). swap_states and swap_owners describe the host swap space the
+    same way. rows lists running sequences first, at most a few hundred of
+    num_rows_total. The kv_slots_* fields are the Figure 2 accounting of kv_policy.
+    """
+
+    engine: str
+    instance: str
+    sent_at: float
+    kv_policy: str
+    block_size: int
+    num_blocks: int
+    states: bytes
+    owners: bytes
+    ref_counts: bytes
+    fill: bytes
+    rows: list[PoolRow]
+    num_rows_total: int
+    num_swap_blocks: int = 0
+    swap_states: bytes = b""
+    swap_owners: bytes = b""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    num_preemptions_total: int = 0
+    num_swapped_out_total: int = 0
+    num_swapped_in_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    kv_slots_token_states: int = 0
+    kv_slots_reserved: int = 0
+    kv_slots_internal_frag: int = 0
+    kv_slots_external_frag: int = 0
+    kv_slots_free: int = 0
+
+
+StatusToGateway = Heartbeat | PoolSnapshot

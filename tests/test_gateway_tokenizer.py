@@ -356,12 +356,18 @@ def test_stop_string_ends_request_at_scheduler(server):
     assert "token_ids" not in body["choices"][0]
 
 
+def test_unknown_model_gets_404(server):
+    status, ctype, out = call(post(server[0], "/v1/completions", {"model": "gpt-4", "prompt": "Hi"}))
+    assert status == 404 and ctype.startswith("application/json")
+    err = json.loads(out)["error"]
+    assert err["code"] == "model_not_found" and "gpt-4" in err["message"]
+
+
 @pytest.mark.parametrize(
     "path, body, raw, needle",
     [
         ("/v1/completions", None, b'{"prompt": "Hi", ', "JSON"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, None, "max_tokens"),
-        ("/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, None, "gpt-4"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": 9000}, None, "maximum context length is 8192"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": 9000, "stream": True}, None, "maximum context length"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 10}], "max_tokens": 8190}, None,

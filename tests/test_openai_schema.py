@@ -111,8 +111,11 @@ def test_malformed_json(raw):
     assert info.value.status == 400
 
 
-def test_unknown_model():
-    err = error(completion, model="gpt-4")
+def test_unknown_model_is_404():
+    with pytest.raises(ApiError) as info:
+        completion(model="gpt-4")
+    err = info.value
+    assert err.status == 404 and err.body()["error"]["type"] == "invalid_request_error"
     assert err.param == "model" and "gpt-4" in err.message and err.code == "model_not_found"
 
 

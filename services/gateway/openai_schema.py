@@ -16,6 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from services.gateway.field_policy import unsupported_field
 from shared.messages import ChatMessage, GenerateRequest, SamplingParams
 
 MAX_N = 16  # parallel samples or beams per request
@@ -23,7 +24,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-DEFAULT_CHAT_MAX_TOKENS = 1024
 # Float ranges: wide enough for any real use, narrow enough that no stage's arithmetic
 # overflows (a beam's score divides by length ** length_penalty).
 MAX_TEMPERATURE = 100.0
@@ -31,19 +31,14 @@ MAX_LENGTH_PENALTY = 10.0
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _INT64 = 2**63
 
-# Fields refused unless they hold a value that means "not used".
-_UNSUPPORTED = {
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "best_of": (None, 1),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "response_format": (None, {"type": "text"}),
+# Fields each endpoint reads itself; the rest go through `field_policy`.
+_COMMON_FIELDS = {
+    "model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "include_stop_str_in_output", "use_beam_search", "beam_width", "length_penalty", "return_token_ids",
+    "stream", "stream_options", "n_predict",
 }
-# Numeric fields not implemented: only their neutral value is accepted.
-_UNSUPPORTED_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens"}
 
 
 class ApiError(Exception):
@@ -105,7 +100,7 @@ def parse_json(raw: bytes) -> dict:
 
 
 def parse_completion(body: dict, model_names: set[str]) -> ParsedRequest:
-    _check_common(body, model_names)
+    _check_common(body, model_names, COMPLETION_FIELDS)
     prompt, prompt_ids = _prompt(body)
     max_tokens = _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
     stream, include_usage = _stream(body)
@@ -116,12 +111,13 @@ def parse_completion(body: dict, model_names: set[str]) -> ParsedRequest:
 
 
 def parse_chat(body: dict, model_names: set[str]) -> ParsedRequest:
-    _check_common(body, model_names)
+    _check_common(body, model_names, CHAT_FIELDS)
     messages = _messages(body)
+    # default: the rest of the context, which the tokenizer stage works out (None)
     if body.get("max_completion_tokens") is not None:
-        max_tokens = _max_tokens(body, "max_completion_tokens", DEFAULT_CHAT_MAX_TOKENS)
+        max_tokens = _max_tokens(body, "max_completion_tokens", None)
     else:
-        max_tokens = _max_tokens(body, "max_tokens", DEFAULT_CHAT_MAX_TOKENS)
+        max_tokens = _max_tokens(body, "max_tokens", None)
     stream, include_usage = _stream(body)
     return ParsedRequest(
         "chat", _sampling(body, max_tokens), stream, include_usage, _boolean(body, "return_token_ids", False),
@@ -179,7 +175,7 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _check_common(body: dict, model_names: set[str]) -> None:
+def _check_common(body: dict, model_names: set[str], known: set[str]) -> None:
     model = body.get("model")
     if model is not None:
         if not isinstance(model, str):
@@ -187,18 +183,16 @@ def _check_common(body: dict, model_names: set[str]) -> None:
         if model not in model_names:
             served = ", ".join(public_model_names(model_names))
             raise ApiError(
-                f"The model `{model}` does not exist. This server serves: {served}.",
+                f"The model `{model}` does not exist. This server serves: {served}.", 404,
                 param="model", code="model_not_found",
             )
     n = _integer(body, "n", 1)
     if not 1 <= n <= MAX_N:
         raise ApiError(f"'n' must be between 1 and {MAX_N}, got {n}.", param="n")
-    for name, unused in _UNSUPPORTED.items():
-        if body.get(name) not in unused:
-            raise ApiError(f"'{name}' is not supported by this server.", param=name)
-    for name, neutral in _UNSUPPORTED_PENALTIES.items():
-        if _number(body, name, neutral) != neutral:
-            raise ApiError(f"'{name}' is not supported by this server (only {neutral:g}).", param=name)
+    refused = unsupported_field(body, known)
+    if refused is not None:
+        raise ApiError(f"'{refused}' is not supported by this server: it would change the answer, so it is "
+                       f"refused rather than ignored.", param=refused)
 
 
 def public_model_names(model_names) -> list[str]:
@@ -206,9 +200,15 @@ def public_model_names(model_names) -> list[str]:
     return sorted(n for n in model_names if not os.path.isabs(n))
 
 
-def _max_tokens(body: dict, name: str, default: int) -> int:
-    value = _integer(body, name, default)
-    if value < 1:
+def _max_tokens(body: dict, name: str, default: int | None) -> int | None:
+    if body.get(name) is None and name == "max_tokens" and body.get("n_predict") is not None:
+        value = _integer(body, "n_predict", None)  # llama.cpp's name; -1 means no limit
+        if value == -1:
+            return None
+        name = "n_predict"
+    else:
+        value = _integer(body, name, default)
+    if value is not None and value < 1:
         raise ApiError(f"'{name}' must be at least 1, got {value}.", param=name)
     return value
 
@@ -285,7 +285,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
         raise _wrong_type("stream_options", "an object", options)
     if not stream:
         raise ApiError("'stream_options' can only be set when 'stream' is true.", param="stream_options")
-    return stream, _boolean(options, "include_usage", False)
+    return stream, _boolean(options, "include_usage", True)  # as vLLM: options given mean usage wanted
 
 
 def _prompt(body: dict) -> tuple[str | None, list[int] | None]:

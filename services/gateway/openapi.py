@@ -57,6 +57,8 @@ def _sampling(model_names: list[str]) -> dict:
     return {
         "model": _nullable({"type": "string", "enum": model_names}),
         "max_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": _INT64_MAX}),
+        "n_predict": _nullable({"type": "integer", "minimum": -1, "maximum": _INT64_MAX,
+                                "description": "llama.cpp's max_tokens; -1: the rest of the context"}),
         "temperature": _nullable({"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE}),
         "top_p": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1}),
         "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": _INT64_MAX}),

@@ -37,7 +37,7 @@ def params_problem(p: SamplingParams) -> str | None:
         return problem
     if p.top_p <= 0:
         return "top_p must be above 0"
-    if p.max_tokens < 1:
+    if p.max_tokens is None or p.max_tokens < 1:
         return f"max_tokens must be at least 1, got {p.max_tokens}"
     if p.top_k < -1:
         return f"top_k must be -1, 0 or positive, got {p.top_k}"
@@ -52,12 +52,19 @@ def params_problem(p: SamplingParams) -> str | None:
     return None
 
 
-def request_problem(prompt_token_ids: list[int], params: SamplingParams, arrival_time: float) -> str | None:
+def token_limit(vocab_size: int) -> int:
+    """The largest token id of a vocabulary of vocab_size (0: not known yet)."""
+    return vocab_size - 1 if vocab_size > 0 else MAX_TOKEN_ID
+
+
+def request_problem(prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
+                    vocab_size: int = 0) -> str | None:
     """Why a tokenized request cannot be run, or None."""
     if not prompt_token_ids:
         return "the prompt has no tokens"
-    if any(not 0 <= t <= MAX_TOKEN_ID for t in prompt_token_ids):
-        return "the prompt holds a negative or out-of-range token id"
+    top = token_limit(vocab_size)
+    if any(not 0 <= t <= top for t in prompt_token_ids):
+        return f"the prompt holds a token id outside the vocabulary (0 to {top})"
     if not math.isfinite(arrival_time):
         return "arrival_time must be a finite number"
     return params_problem(params)

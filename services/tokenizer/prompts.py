@@ -2,14 +2,16 @@
 
 Chat messages go through the model's chat template (with the assistant turn opened);
 a text prompt is tokenized as the tokenizer does by default; token ids are checked
-against the vocabulary. Every prompt must leave room for max_tokens in the context.
+against the vocabulary. Every prompt must leave room for max_tokens in the context;
+a request without max_tokens (None) gets the rest of the context (`resolve_max_tokens`).
 """
 
 from __future__ import annotations
 
+import msgspec
 from jinja2 import TemplateError
 
-from shared.messages import GenerateRequest
+from shared.messages import GenerateRequest, SamplingParams
 
 
 class PromptError(ValueError):
@@ -64,8 +66,19 @@ class PromptBuilder:
                 )
         return list(ids)
 
-    def _check_length(self, prompt_len: int, max_tokens: int, what: str) -> None:
-        if prompt_len + max_tokens > self.max_model_len:
+    def resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """params with max_tokens set: None becomes the rest of the context."""
+        if params.max_tokens is not None:
+            return params
+        return msgspec.structs.replace(params, max_tokens=self.max_model_len - prompt_len)
+
+    def _check_length(self, prompt_len: int, max_tokens: int | None, what: str) -> None:
+        if max_tokens is None and prompt_len >= self.max_model_len:
+            raise PromptError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the {what} "
+                f"alone has {prompt_len}: no room is left for the completion.", what,
+            )
+        if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
             raise PromptError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} "

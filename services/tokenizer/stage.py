@@ -3,8 +3,10 @@
 Requests from the gateway are tokenized and passed on to the scheduler; token deltas
 from the scheduler are detokenized and passed back to the gateway. The replica keeps
 one Detokenizer per request it forwarded, until that request finishes, fails or is
-aborted; deltas for a request it no longer knows are ignored. A failure while handling
-one request ends that request with a 500 and nothing else.
+aborted; deltas for a request it no longer knows are ignored. A dashboard's WatchPool
+is passed on to the scheduler as it is. A failure while handling
+one request, or token ids outside the vocabulary, end that request with a 500 and
+nothing else.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from shared.messages import (
     TokenizedRequest,
     TokenizerToGateway,
     TokenizerToScheduler,
+    WatchPool,
 )
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,9 @@ class TokenizerStage:
         self.active: dict[str, _Active] = {}
 
     def handle_gateway(self, msg: GatewayToTokenizer) -> None:
+        if isinstance(msg, WatchPool):  # a dashboard's subscription, for the scheduler alone
+            self._to_scheduler(msg)
+            return
         self._guarded(msg.request_id, self._on_gateway, msg)
 
     def handle_scheduler(self, msg: SchedulerToTokenizer) -> None:
@@ -103,12 +109,13 @@ class TokenizerStage:
         except PromptError as exc:
             self._to_gateway(RequestError(req.request_id, 400, str(exc), param=exc.param))
             return
-        self.active[req.request_id] = _Active(self.tokenizer, req.params, ids)
+        params = self.prompts.resolve_max_tokens(req.params, len(ids))
+        self.active[req.request_id] = _Active(self.tokenizer, params, ids)
         self._to_scheduler(
             TokenizedRequest(
                 request_id=req.request_id,
                 prompt_token_ids=ids,
-                params=req.params,
+                params=params,
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=time.time(),
             )
@@ -130,6 +137,13 @@ class TokenizerStage:
             return  # this choice ended on a stop string already
         if delta.finish_reason == "abort":
             del self.active[delta.request_id]
+            return
+        vocab = self.prompts.vocab_size
+        if any(not 0 <= t < vocab for t in delta.token_ids):
+            # a broken or forged peer: this request ends, the replica goes on
+            log.error("request %s: token ids outside the vocabulary from the scheduler", delta.request_id)
+            self._fail(delta.request_id, 500, "internal error: the model produced an invalid token id",
+                       "internal_error")
             return
         detok = state.detok(index)
         finish = delta.finish_reason

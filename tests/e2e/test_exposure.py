@@ -57,7 +57,7 @@ def test_api_key_is_required_on_every_route_but_the_openapi_description(server):
 
 def test_errors_and_descriptions_do_not_reveal_file_paths(server, tiny_model_dir):
     status, _, err = asyncio.run(post(server.url, json.dumps({"model": "nope", "prompt": "hi"}).encode(), AUTH))
-    assert status == 400 and "tiny-llama" in err["error"]["message"]
+    assert status == 404 and "tiny-llama" in err["error"]["message"]
     models = get(server.url + "/v1/models", headers=AUTH)[1]
     spec = get(server.url + "/openapi.json")[1]
     for text in (err["error"]["message"], models, spec):

@@ -1,0 +1,120 @@
+"""The one policy for request fields pagedserve does not read itself.
+
+A field the parser reads is validated there. Of the rest:
+- fields known to be harmless (they do not change the answer: `user`, `metadata`,
+  `store`, ...) are accepted silently;
+- fields that would change the answer and are not implemented are refused with a 400
+  naming them, unless they hold a value that means "not used" (null, false, an empty
+  list or object, or their documented neutral value);
+- any other field is accepted and logged once per field name per process, so an
+  operator sees what clients send without the log filling up.
+No field that changes the answer is ever silently ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+# Accepted and ignored: bookkeeping, routing and hints that leave the tokens unchanged.
+HARMLESS = frozenset({
+    "user", "metadata", "store", "service_tier", "request_id", "priority", "cache_salt", "prompt_cache_key",
+    "safety_identifier", "cache_prompt", "stream", "modalities", "parallel_tool_calls", "mm_processor_kwargs",
+    "kv_transfer_params", "vllm_xargs", "id_slot", "slot_id", "t_max_predict_ms",
+})
+
+# Not implemented, and they would change the answer: refused unless "not used".
+# name -> values that mean "not used" (besides null / false / empty containers).
+UNSUPPORTED: dict[str, tuple] = {
+    "suffix": ("",),
+    "best_of": (1,),
+    "tools": (),
+    "tool_choice": ("none", "auto"),
+    "functions": (),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structured_outputs": (),
+    "grammar": (),
+    "json_schema": (),
+    "bad_words": (),
+    "truncate_prompt_tokens": (),
+    "logits_processors": (),
+    "audio": (),
+    "prediction": (),
+    "web_search_options": (),
+    "documents": (),
+    "chat_template": (),
+    "return_tokens_as_token_ids": (),
+    "prompt_embeds": (),
+    "reasoning_effort": (),
+    "typical_p": (1, 1.0),
+    "top_n_sigma": (-1, -1.0),
+    "mirostat": (0,),
+    "repeat_penalty": (1, 1.0),
+    "repeat_last_n": (),
+    "penalize_nl": (),
+    "dry_multiplier": (0, 0.0),
+    "xtc_probability": (0, 0.0),
+    "tfs_z": (1, 1.0),
+    "dynatemp_range": (0, 0.0),
+    "n_probs": (0,),
+    "samplers": (),
+    "n_keep": (),
+    "logit_bias_type": (),
+    # implemented in later steps of issue 11; refused until then
+    "echo": (),
+    "logprobs": (),
+    "top_logprobs": (0,),
+    "prompt_logprobs": (),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": (),
+    "min_p": (0, 0.0),
+    "min_tokens": (0,),
+    "allowed_token_ids": (),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "add_special_tokens": (),
+    "chat_template_kwargs": (),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (),
+}
+MAX_LOGGED_NAMES = 256  # a client inventing names cannot grow the set without bound
+
+_logged: set[str] = set()
+
+
+def is_unused(value, neutral: tuple) -> bool:
+    """null, false, an empty list/object/string, or one of the field's neutral values.
+    Compared by type too, so 0 does not pass for false nor 1 for true; a numeric field is
+    unused only at its neutral number."""
+    if value is None:
+        return True
+    if any(type(n) in (int, float) for n in neutral):
+        return type(value) in (int, float) and any(value == n for n in neutral)
+    if value is False or (isinstance(value, (list, dict, str)) and not value):
+        return True
+    return any(type(value) is type(n) and value == n for n in neutral)
+
+
+def unsupported_field(body: dict, known: set[str]) -> str | None:
+    """The first field of body that would change the answer and is not implemented;
+    logs (once per name) the fields nobody knows."""
+    for name, value in body.items():
+        if name in known or name in HARMLESS:
+            continue
+        if name in UNSUPPORTED:
+            if not is_unused(value, UNSUPPORTED[name]):
+                return name
+        elif name not in _logged and len(_logged) < MAX_LOGGED_NAMES:
+            _logged.add(name)
+            log.warning("ignoring request field %r: pagedserve does not know it", name[:64])
+    return None

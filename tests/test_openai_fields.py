@@ -1,0 +1,78 @@
+"""The field policy of issue 11: no field that changes the answer is silently ignored."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from services.gateway import field_policy
+from services.gateway.openai_schema import ApiError, parse_chat, parse_completion
+
+NAMES = {"tiny"}
+
+
+def completion(**body):
+    return parse_completion({"model": "tiny", "prompt": "Hi", **body}, NAMES)
+
+
+def chat(**body):
+    return parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], **body}, NAMES)
+
+
+def refused(fn, **body) -> str:
+    with pytest.raises(ApiError) as info:
+        fn(**body)
+    assert info.value.status == 400
+    return info.value.param
+
+
+def test_logprobs_zero_is_not_mistaken_for_false():
+    # 0 == False in Python: a set-membership check let `logprobs: 0` through unseen
+    assert field_policy.is_unused(False, ()) and not field_policy.is_unused(0, ())
+    assert not field_policy.is_unused(1, (True,)) and not field_policy.is_unused(True, (1,))
+
+
+def test_chat_default_max_tokens_is_the_rest_of_the_context():
+    assert chat().params.max_tokens is None  # resolved by the tokenizer stage
+    assert chat(max_tokens=7).params.max_tokens == 7
+    assert completion().params.max_tokens == 16  # OpenAI's completions default stays
+
+
+def test_llama_cpp_n_predict_is_max_tokens():
+    assert completion(n_predict=5).params.max_tokens == 5
+    assert completion(n_predict=-1).params.max_tokens is None
+    assert completion(n_predict=5, max_tokens=3).params.max_tokens == 3
+    assert refused(completion, n_predict=0) == "n_predict"
+
+
+def test_empty_stream_options_mean_include_usage():
+    assert completion(stream=True, stream_options={}).include_usage
+    assert not completion(stream=True, stream_options={"include_usage": False}).include_usage
+    assert not completion(stream=True).include_usage
+
+
+@pytest.mark.parametrize("body", [
+    {"suffix": "x"}, {"best_of": 3}, {"response_format": {"type": "json_object"}},
+    {"guided_json": {"type": "object"}}, {"structured_outputs": {"regex": "a+"}}, {"typical_p": 0.5},
+    {"chat_template": "{{ messages }}"}, {"bad_words": ["x"]}, {"mirostat": 2}, {"truncate_prompt_tokens": 3},
+])
+def test_answer_changing_fields_are_refused_by_name(body):
+    (name,) = body
+    assert refused(completion, **body) == name
+    assert refused(chat, **body) == name
+
+
+def test_neutral_values_and_harmless_fields_pass():
+    base = completion().params
+    assert completion(suffix="", best_of=1, response_format={"type": "text"}, tools=[], typical_p=1.0,
+                      user="u", metadata={"a": "b"}, store=False, service_tier="auto").params == base
+    assert chat(tool_choice="none", parallel_tool_calls=True).params == chat().params
+
+
+def test_unknown_fields_are_logged_once(caplog):
+    with caplog.at_level(logging.WARNING, logger=field_policy.__name__):
+        completion(some_new_field_xyz=1)
+        completion(some_new_field_xyz=2)
+    hits = [r for r in caplog.records if "some_new_field_xyz" in r.getMessage()]
+    assert len(hits) == 1
