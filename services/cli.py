@@ -1,6 +1,7 @@
 """The `pagedserve` command: `serve` (all stages, supervised), `stage NAME` (one stage),
-`probe` (a container health check) and `simulate` (the scheduler on a simulated GPU,
-`services/simulator`).
+`probe` (a container health check), `simulate` (the scheduler on a simulated GPU,
+`services/simulator`) and `keygen DIR` (the CURVE key pair of the internal sockets,
+`shared/curve.py`).
 
 Each stage module (`services/<name>/service.py`) declares its own options with
 `add_args(parser)` and runs with `run(args)`; the launcher passes the same options
@@ -28,7 +29,7 @@ def _stages_to_declare(argv: list[str]) -> tuple[str, ...]:
     the other commands (a health probe must answer fast), all for help or a mistake."""
     if argv[:1] == ["stage"]:
         return (argv[1],) if len(argv) >= 2 and argv[1] in STAGES else STAGES
-    if argv[:1] and argv[0] in ("serve", "probe", "simulate"):
+    if argv[:1] and argv[0] in ("serve", "probe", "simulate", "keygen"):
         return ()
     return STAGES
 
@@ -56,6 +57,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from services.simulator import cli as simulator_cli
 
     simulator_cli.add_args(sub.add_parser("simulate", help="the scheduler on a simulated GPU, per KV policy"))
+
+    keygen = sub.add_parser("keygen", help="write a CURVE key pair for the internal sockets into DIR")
+    keygen.add_argument("dir", help="directory for pagedserve.key (public) and pagedserve.key_secret")
     return parser
 
 
@@ -73,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         from services import probe
 
         return probe.run(args)
+    if args.command == "keygen":
+        from shared.curve import keygen
+
+        public, secret = keygen(args.dir)
+        print(f"wrote {public} and {secret}; give every stage --curve-key-file {secret}")
+        return 0
     if args.command == "simulate":
         from services.simulator import cli as simulator_cli
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from services.gateway.options import API_KEY_ENV, add_exposure_args, exposure_argv
 from services.gateway.supervision import STATE_ENV
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args, default_run_dir
+from shared.curve import load_keys
 from shared.model_files import default_served_name, resolve_model
 
 log = logging.getLogger("pagedserve.launcher")
@@ -73,6 +74,8 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses) -> dict[str, 
     """The command line of every stage process, by a unique stage name."""
     base = [sys.executable, "-m", "services.cli", "stage"]
     common = addresses.as_argv() + ["--log-level", args.log_level]
+    if getattr(args, "curve_key_file", None):
+        common += ["--curve-key-file", args.curve_key_file]
     model = ["--model", args.model]
     served = default_served_name(args.model) if args.served_model_name is None else args.served_model_name
 
@@ -215,6 +218,8 @@ class Supervisor:
 
 
 def run(args: argparse.Namespace) -> int:
+    # refuse now, not in every stage: the addresses given are the only tcp:// ones
+    load_keys(getattr(args, "curve_key_file", None), [getattr(args, name) for name in Addresses.__dataclass_fields__])
     resolve_model(args.model)  # convert a GGUF once, before the stages race to load it
     own_run_dir = not os.environ.get("PAGEDSERVE_RUN_DIR")
     run_dir = default_run_dir()

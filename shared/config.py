@@ -73,6 +73,9 @@ def add_address_args(parser: argparse.ArgumentParser, *, required: bool) -> None
     group = parser.add_argument_group("stage addresses (ipc:// or tcp://)")
     for name in ADDRESS_NAMES:
         group.add_argument(f"--{name.replace('_', '-')}", dest=name, required=required, default=None)
+    from shared.curve import add_curve_args
+
+    add_curve_args(group)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

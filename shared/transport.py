@@ -4,19 +4,95 @@ Each wrapper is built with the message type (usually a channel's tagged union) i
 carries; `send` encodes with msgpack and `recv` decodes only into that type. A frame
 that fails to decode is logged and dropped, so garbage on a socket never kills a
 stage. Sockets bind or connect by address (ipc:// or tcp://).
+
+Every socket is made by `_open` with the settings of its context (`configure`):
+ZMQ_MAXMSGSIZE, so a peer that sends a frame larger than any legal message is
+disconnected (the frame never reaches memory) while the socket serves the others; and,
+when the context has CURVE keys (`shared.curve`), CURVE on every socket: binders are
+servers whose ZAP handler admits only clients holding the deployment's key, connecters
+are clients of the same key. Without keys (ipc://, loopback) sockets are plain.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils import z85
+
+from shared.curve import CurveKeys
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+# The largest legal messages are an ExecuteStep (max batched tokens plus, for each of up
+# to 256 sequences, a block table of max_model_len / block_size ints: about 10 MiB at a
+# 128k context) and a GenerateRequest within the gateway's 4 MiB body limit (msgpack is
+# no larger than the JSON it came from). 64 MiB leaves room above both.
+MAX_MESSAGE_BYTES = int(os.environ.get("PAGEDSERVE_MAX_MESSAGE_BYTES", 64 << 20))
+ZAP_DOMAIN = b"pagedserve"
+
+
+@dataclass(frozen=True)
+class SocketSettings:
+    curve: CurveKeys | None = None
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+
+
+_settings: dict[int, SocketSettings] = {}  # by the context's underlying pointer
+_zap: dict[int, _ZapHandler] = {}
+_zap_lock = threading.Lock()
+
+
+def configure(ctx: zmq.Context, curve: CurveKeys | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES):
+    """Every socket later opened on ctx gets these settings; returns ctx."""
+    _settings[ctx.underlying] = SocketSettings(curve, max_message_bytes)
+    return ctx
+
+
+class _ZapHandler(threading.Thread):
+    """Answers the ZAP requests of one context: a CURVE client is let in only when its
+    public key is the deployment's (so it holds the secret key). Ends with its context."""
+
+    def __init__(self, ctx: zmq.Context, allowed_public: bytes):
+        super().__init__(name="zap", daemon=True)
+        self._allowed = z85.decode(allowed_public)
+        self._sock = zmq.Context.shadow(ctx.underlying).socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind("inproc://zeromq.zap.01")
+        self.denied = 0
+
+    def run(self) -> None:
+        try:
+            while True:
+                frames = self._sock.recv_multipart()
+                version, request_id, _domain, address, _identity, mechanism = frames[:6]
+                ok = mechanism == b"CURVE" and frames[6:7] == [self._allowed]
+                if not ok:
+                    self.denied += 1
+                    log.warning("refused a peer from %s without the deployment's CURVE key",
+                                address.decode(errors="replace"))
+                self._sock.send_multipart([version, request_id, b"200" if ok else b"400",
+                                           b"OK" if ok else b"unknown key", b"", b""])
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            self._sock.close(linger=0)
+
+
+def _zap_handler(ctx: zmq.Context, keys: CurveKeys) -> _ZapHandler:
+    with _zap_lock:
+        handler = _zap.get(ctx.underlying)
+        if handler is None or not handler.is_alive():
+            handler = _zap[ctx.underlying] = _ZapHandler(ctx, keys.public)
+            handler.start()
+        return handler
 
 SENT, BUSY, GONE = "sent", "busy", "gone"  # what RouterSocket.try_send did
 
@@ -41,8 +117,20 @@ class FrameDecoder(Generic[T]):
 
 
 def _open(ctx: zmq.Context, kind: int, address: str, bind: bool, opts: dict | None = None) -> zmq.Socket:
+    settings = _settings.get(ctx.underlying) or SocketSettings()
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)
+    keys = settings.curve
+    if keys is not None:
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+        if bind:
+            _zap_handler(ctx, keys)  # before the first peer can knock
+            sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+        else:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, keys.public)
     for opt, value in (opts or {}).items():
         sock.setsockopt(opt, value)
     if bind:

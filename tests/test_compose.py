@@ -53,6 +53,8 @@ def test_compose_config_accepts_the_cpu_and_gpu_variants():
         assert {"/models", "/cache"} <= mounts, name
         env = svc["environment"]
         assert env["PAGEDSERVE_HEALTH_FILE"] and env["PAGEDSERVE_SCHEDULER_IN"] == "tcp://scheduler:5554"
+        assert env["PAGEDSERVE_CURVE_KEY_FILE"] == "/run/secrets/curve_key"  # tcp:// needs CURVE
+        assert [s if isinstance(s, str) else s["source"] for s in svc["secrets"]] == ["curve_key"], name
     assert services["gateway"]["healthcheck"]["test"][-1] == "http://127.0.0.1:8000/health"
     assert set(services["gateway"]["depends_on"]) == STAGES - {"gateway"}  # so compose stops it first
 
@@ -83,6 +85,10 @@ def test_tokenizers_scale_and_binders_listen_on_the_compose_network():
     assert {scheduler[f] for f in ("--scheduler-in", "--executor-in", "--executor-out")} == {
         "tcp://*:5554", "tcp://*:5555", "tcp://*:5556"}
     assert services["gateway"]["ports"] == ["127.0.0.1:${PAGEDSERVE_PORT:-8000}:8000"]
+    stage = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    assert stage["x-stage"]["secrets"] == ["curve_key"]
+    assert stage["x-stage"]["environment"]["PAGEDSERVE_CURVE_KEY_FILE"] == "/run/secrets/curve_key"
+    assert stage["secrets"]["curve_key"]["file"] == "${PAGEDSERVE_KEYS_DIR:-./secrets}/pagedserve.key_secret"
 
 
 def test_dockerfile_matches_the_compose_files():

@@ -33,7 +33,7 @@ from shared.transport import DealerSocket, PullSocket, PushSocket, _Typed
 class Stage:
     """A scheduler service in a thread, with the test as its executor."""
 
-    def __init__(self, num_kv_blocks: int = 64):
+    def __init__(self, num_kv_blocks: int = 64, vocab_size: int = 0):
         self.ctx = zmq.Context()
         self.addrs = Addresses(**{name: f"inproc://{name}" for name in ADDRESS_NAMES})
         parser = argparse.ArgumentParser()
@@ -42,10 +42,12 @@ class Stage:
         self.executor_in = PullSocket(self.ctx, self.addrs.executor_in, SchedulerToExecutor, bind=False)
         self.executor_out = PushSocket(self.ctx, self.addrs.executor_out, ExecutorToScheduler, bind=False)
         self.nan_for: set[str] = set()  # requests whose beams get NaN logprobs
+        self.forged_for: set[str] = set()  # requests sampled a token id outside any vocabulary
         self.steps = 0
         self.thread = threading.Thread(target=self.service.serve, daemon=True)
         self.thread.start()
-        self.executor_out.send(ExecutorReady("test-executor", num_kv_blocks, 4, 256, instance="test"))
+        self.executor_out.send(ExecutorReady("test-executor", num_kv_blocks, 4, 256, instance="test",
+                                             vocab_size=vocab_size))
 
     def tokenizer(self, name: str) -> DealerSocket:
         return DealerSocket(self.ctx, self.addrs.scheduler_in, SchedulerToTokenizer, name)
@@ -61,7 +63,8 @@ class Stage:
                 if seq.sample and seq.num_logprobs:
                     lp = math.nan if seq.request_id in self.nan_for else -0.5
                     top.append([(10 + j, lp * (j + 1)) for j in range(seq.num_logprobs)])
-            sampled = [7 if seq.sample else -1 for seq in step.seqs]
+            sampled = [(10**6 if seq.request_id in self.forged_for else 7) if seq.sample else -1
+                       for seq in step.seqs]
             self.executor_out.send(StepResult(step.step_id, sampled, 0.001, top))
 
     def run_until(self, done, *tokenizers: DealerSocket, timeout_s: float = 20.0, execute=True) -> dict:
@@ -201,5 +204,28 @@ def test_a_replica_stuck_past_the_timeout_has_its_requests_failed_loudly(small_q
         assert 0 < len(tokens(replies["x"])) < 40
         err = replies["x"][-1]
         assert isinstance(err, RequestError) and err.status == 503
+    finally:
+        stage.close()
+
+
+def test_token_ids_outside_the_vocabulary_fail_only_their_request():
+    stage = Stage(vocab_size=100)
+    try:
+        tok = stage.tokenizer("tok-0")
+        stage.forged_for.add("forged-result")
+        tok.send(honest("before"))
+        tok.send(TokenizedRequest("forged-prompt", [5, 100], SamplingParams(), [2], 0.0))  # 100: one past the end
+        tok.send(honest("forged-result"))
+        tok.send(honest("after"))
+        replies = stage.run_until(lambda r: all(ended(r.get(k, [])) for k in
+                                                ("before", "forged-prompt", "forged-result", "after")), tok)
+        (err,) = replies["forged-prompt"]
+        assert isinstance(err, RequestError) and err.status == 400 and "vocabulary (0 to 99)" in err.message
+        (err,) = replies["forged-result"]
+        assert isinstance(err, RequestError) and err.status == 500, err
+        for rid in ("before", "after"):
+            assert [t for m in replies[rid] for t in m.token_ids] == [7] * 5
+        assert stage.thread.is_alive()
+        assert stage.service.scheduler.blocks.num_used_blocks == 0
     finally:
         stage.close()

@@ -132,3 +132,16 @@ def test_a_failure_is_a_500_for_that_request_only(stage):
     assert stage.scheduler[-1] == AbortRequest("bad")
     stage.handle_scheduler(TokenDelta("good", [28120], 1, finish_reason="length"))
     assert stage.gateway[-1] == TextDelta("good", "hello", 1, 1, "length", [28120])
+
+
+def test_token_ids_outside_the_vocabulary_from_the_scheduler_fail_only_their_request(stage, tok):
+    generate(stage, "bad", prompt="Hello")
+    generate(stage, "good", prompt="Hello")
+    stage.scheduler.clear()
+    stage.handle_scheduler(TokenDelta("bad", [len(tok) + 5], 2))
+    stage.handle_scheduler(TokenDelta("good", [tok.encode(" world")[0]], 2))
+    err, text = stage.gateway
+    assert isinstance(err, RequestError) and err.request_id == "bad" and err.status == 500
+    assert isinstance(text, TextDelta) and text.request_id == "good" and text.text == " world"
+    assert stage.scheduler == [AbortRequest("bad")]  # its KV blocks are freed
+    assert "bad" not in stage.active and "good" in stage.active

@@ -21,6 +21,7 @@ import zmq
 from services.executor.kv_cache import parse_size
 from services.executor.model_runner import ModelRunner
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
+from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
 from shared.messages import (
     ExecuteStep,
@@ -32,7 +33,7 @@ from shared.messages import (
     StepResult,
 )
 from shared.model_files import resolve_model
-from shared.transport import PullSocket, PushSocket
+from shared.transport import PullSocket, PushSocket, configure
 
 log = logging.getLogger("pagedserve.executor")
 
@@ -79,7 +80,7 @@ class Executor:
         addr = Addresses.from_args(args, required=("executor_in", "executor_out"))
         if args.threads:
             torch.set_num_threads(args.threads)
-        ctx = zmq.Context()
+        ctx = configure(zmq.Context(), stage_keys(args, addr))
         heartbeat = None
         if addr.status:
             heartbeat = HeartbeatThread(ctx, addr.status, "executor", self.executor_id, lambda: self.state)
@@ -100,7 +101,8 @@ class Executor:
             results = PushSocket(ctx, addr.executor_out, ExecutorToScheduler, bind=False)
             ready = ExecutorReady(executor_id=self.executor_id, num_kv_blocks=runner.num_kv_blocks,
                                   block_size=runner.block_size, max_model_len=runner.max_model_len,
-                                  num_swap_blocks=runner.swap.num_blocks, instance=INSTANCE_ID)
+                                  num_swap_blocks=runner.swap.num_blocks, instance=INSTANCE_ID,
+                                  vocab_size=runner.vocab_size)
             results.send(ready)
             self.state = "ready"
             log.info("executor %s ready", self.executor_id)

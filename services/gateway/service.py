@@ -30,10 +30,11 @@ from services.gateway.options import add_exposure_args
 from services.gateway.supervision import SupervisionState
 from services.gateway.watchdog import CHECK_INTERVAL_S, StageWatchdog
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
+from shared.curve import CurveKeys, stage_keys
 from shared.heartbeat import HeartbeatThread
 from shared.messages import StatusToGateway
 from shared.model_files import default_served_name
-from shared.transport import AsyncPullSocket
+from shared.transport import AsyncPullSocket, configure
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +55,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     addrs = Addresses.from_args(args)
-    uvloop.run(serve(args, addrs))
+    uvloop.run(serve(args, addrs, stage_keys(args, addrs)))
     return 0
 
 
-async def serve(args: argparse.Namespace, addrs: Addresses) -> None:
+async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    ctx = zmq.asyncio.Context()
+    ctx = configure(zmq.asyncio.Context(), keys)
     supervision = SupervisionState.from_env()
     metrics = Metrics(supervision)
     client = EngineClient(ctx, addrs, on_retry=metrics.retries.inc)
@@ -93,7 +94,7 @@ async def serve(args: argparse.Namespace, addrs: Addresses) -> None:
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
 
-    sync_ctx = zmq.Context()  # the heartbeat thread needs a plain socket
+    sync_ctx = configure(zmq.Context(), keys)  # the heartbeat thread needs a plain socket
     heartbeat = HeartbeatThread(sync_ctx, addrs.status, "gateway", f"gateway-{os.getpid()}", lambda: "ready")
     heartbeat.start()
     log.info("serving %s on http://%s:%d%s", served, args.host, args.port,

@@ -28,7 +28,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.swap_space import SwapSpace
 from services.scheduler.token_history import TokenHistory
-from services.scheduler.validation import request_problem
+from services.scheduler.validation import request_problem, token_limit
 from shared.messages import ExecuteStep, ScheduledSeq, SchedulerStats, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     preemption_mode: str = "recompute"  # or "swap"
+    vocab_size: int = 0  # the model's, from ExecutorReady (0: unknown); token ids are checked against it
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class Scheduler:
 
     def check_fits(self, req: Request) -> str | None:
         """Why a request can never run on this pool, or None if it can."""
-        problem = request_problem(req.prompt_token_ids, req.params, req.arrival_time)
+        problem = request_problem(req.prompt_token_ids, req.params, req.arrival_time, self.config.vocab_size)
         if problem is not None:
             return problem
         if req.max_total_tokens > self.config.max_model_len:
@@ -409,6 +410,12 @@ class Scheduler:
         """One sequence's share of a step's result; the delta to send, if any."""
         req = chunk.request
         samples = chunk.samples
+        if samples:  # a forged or broken result fails its request, before anything changes
+            top = token_limit(self.config.vocab_size)
+            if beam_cands is None and not 0 <= token <= top:
+                raise ValueError(f"the executor sampled token id {token}, outside the vocabulary (0 to {top})")
+            if beam_cands is not None and any(not 0 <= t <= top for t, _ in beam_cands):
+                raise ValueError(f"a beam candidate's token id is outside the vocabulary (0 to {top})")
         start = 0 if chunk.restored else req.num_computed_tokens
         req.num_computed_tokens += chunk.num_tokens
         self.blocks.commit(req, start, req.num_computed_tokens)

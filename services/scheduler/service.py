@@ -33,6 +33,7 @@ from services.scheduler.reservation import make_allocator
 from services.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.scheduler.swap_space import SwapSpace
 from shared.config import Addresses, add_address_args, add_log_args
+from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
 from shared.messages import (
     AbortRequest,
@@ -50,7 +51,7 @@ from shared.messages import (
     TokenizedRequest,
     TokenizerToScheduler,
 )
-from shared.transport import PullSocket, PushSocket, RouterSocket, wait_readable
+from shared.transport import PullSocket, PushSocket, RouterSocket, configure, wait_readable
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -118,7 +119,7 @@ class SchedulerService:
         if self.scheduler is None:
             max_len = min(msg.max_model_len, self.args.max_model_len or msg.max_model_len)
             config = SchedulerConfig(self.args.max_num_seqs, self.args.max_num_batched_tokens, max_len,
-                                     self.args.preemption_mode)
+                                     self.args.preemption_mode, msg.vocab_size)
             if config.preemption_mode == "swap" and not msg.num_swap_blocks:
                 log.warning("--preemption-mode swap without executor swap space: preempted requests recompute")
             blocks = make_allocator(self.args.kv_policy, msg.num_kv_blocks, msg.block_size, max_len,
@@ -278,7 +279,7 @@ class SchedulerService:
 
 
 def run(args: argparse.Namespace) -> int:
-    ctx = zmq.Context()
+    ctx = configure(zmq.Context(), stage_keys(args, Addresses.from_args(args)))
     service = SchedulerService(args, ctx)
 
     def stop(*_):

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from services.tokenizer.prompts import PromptBuilder
 from services.tokenizer.stage import TokenizerStage
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
+from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
 from shared.messages import (
     GatewayToTokenizer,
@@ -32,7 +33,7 @@ from shared.messages import (
     TokenizerToGateway,
 )
 from shared.model_files import resolve_model
-from shared.transport import DealerSocket, PullSocket, PushSocket, wait_readable
+from shared.transport import DealerSocket, PullSocket, PushSocket, configure, wait_readable
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
-    ctx = zmq.Context()
+    ctx = configure(zmq.Context(), stage_keys(args, addrs))
     heartbeat = HeartbeatThread(ctx, addrs.status, "tokenizer", replica, lambda: state)
     heartbeat.start()
     to_gateway = PushSocket(ctx, addrs.gateway_in, TokenizerToGateway, bind=False)

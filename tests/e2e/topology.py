@@ -2,8 +2,8 @@
 
 Each service's command and environment are taken from compose.yaml as written; only
 what the compose network provides is mapped: service names and `*` to 127.0.0.1, the
-fixed ports to free ones, /cache to the user's cache, and the health file to one per
-process. The tokenizer service is started as many times as asked, as `--scale` would.
+fixed ports to free ones, /cache to the user's cache, the CURVE key secret to a key pair
+made by `pagedserve keygen` for this run, and the health file to one per process. The tokenizer service is started as many times as asked, as `--scale` would.
 No supervisor: a killed process stays dead.
 """
 
@@ -58,6 +58,7 @@ class ComposeTopology:
         for key, value in self.compose["services"][service]["environment"].items():
             env[key] = self._map(str(value))
         env.pop("PAGEDSERVE_CACHE")  # /cache is a compose volume; here the user's cache
+        env["PAGEDSERVE_CURVE_KEY_FILE"] = str(self.key_file)  # a compose secret
         self.health_files[name] = self.run_dir / f"{name}.health"
         env["PAGEDSERVE_HEALTH_FILE"] = str(self.health_files[name])
         return env
@@ -69,6 +70,9 @@ class ComposeTopology:
         log.close()
 
     def __enter__(self) -> ComposeTopology:
+        subprocess.run([sys.executable, "-m", "services.cli", "keygen", str(self.run_dir / "secrets")], cwd=ROOT,
+                       check=True, capture_output=True)
+        self.key_file = self.run_dir / "secrets" / "pagedserve.key_secret"
         for service in ("scheduler", "executor", "gateway"):
             self.start(service, service)
         for i in range(self.tokenizers):
