@@ -70,6 +70,10 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def cached_unreferenced(self) -> list[int]:
+        """The cached blocks no sequence holds, least recently used first."""
+        return list(self._evictable)
+
     # --- prefix cache ---------------------------------------------------------------
 
     def _hashes(self, seq: Sequence, num_tokens: int) -> list[int]:

@@ -12,6 +12,10 @@ A request whose own handling raises fails alone: it gets a RequestError 500, its
 blocks are freed and the loop goes on (see `Scheduler.take_failed`). Replies to a
 replica whose queue is full wait in an `Outbox` and hold that replica's requests; a
 replica stuck past STALL_TIMEOUT_S has its requests failed (503) and freed.
+
+While a dashboard watches (a `WatchPool` subscription, passed on by a tokenizer
+replica and renewed by the gateway), a `PoolSnapshot` goes to the gateway on the
+status channel every interval; none is built or sent otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import zmq
 
 from services.scheduler.kv_accounting import kv_usage
 from services.scheduler.outbox import Outbox
+from services.scheduler.pool_snapshot import pool_snapshot
+from services.scheduler.pool_watch import PoolWatch
 from services.scheduler.request import Request
 from services.scheduler.reservation import POLICIES as KV_POLICIES
 from services.scheduler.reservation import make_allocator
@@ -45,11 +51,13 @@ from shared.messages import (
     SchedulerStats,
     SchedulerToExecutor,
     SchedulerToTokenizer,
+    StatusToGateway,
     StepFailed,
     StepResult,
     TokenDelta,
     TokenizedRequest,
     TokenizerToScheduler,
+    WatchPool,
 )
 from shared.transport import PullSocket, PushSocket, RouterSocket, configure, wait_readable
 
@@ -96,6 +104,9 @@ class SchedulerService:
         )
         self.recently_aborted: dict[str, float] = {}  # request id -> when its abort came
         self.outbox = Outbox(self.requests_in, STALL_TIMEOUT_S)
+        self.watch = PoolWatch()
+        self.snapshots_out = PushSocket(ctx, addr.status, StatusToGateway)
+        self.snapshots_out.sock.setsockopt(zmq.SNDHWM, 2)  # a stale snapshot is worthless
         self.running = True
 
     def refresh_stats(self) -> None:
@@ -106,6 +117,10 @@ class SchedulerService:
         self.stats = msgspec.structs.replace(
             stats, kv_slots_token_states=int(usage.token_states), kv_slots_reserved=int(usage.reserved),
             kv_slots_internal_frag=int(usage.internal_frag), kv_slots_external_frag=int(usage.external_frag))
+
+    def send_snapshot(self) -> None:
+        snapshot = pool_snapshot(self.scheduler, "scheduler", INSTANCE_ID, self.args.kv_policy)
+        self.snapshots_out.send_nowait(snapshot)
 
     def _state(self) -> str:
         return "ready" if self.scheduler else "waiting for executor"
@@ -245,6 +260,8 @@ class SchedulerService:
                 self.hello_at = time.monotonic()
             can_step = self.in_flight is None and self.scheduler is not None and self.scheduler.has_work
             idle_ms = BACKLOG_POLL_MS if self.outbox.held else 100
+            if self.watch.active:
+                idle_ms = min(idle_ms, int(self.watch.interval_s * 1000))
             ready = wait_readable([self.requests_in, self.results_in], 0 if can_step and not stalled else idle_ms)
             stalled = stalled and not ready
             self._forget_old_aborts()
@@ -253,10 +270,15 @@ class SchedulerService:
                     try:
                         if isinstance(msg, TokenizedRequest):
                             self.on_request(peer, msg)
+                        elif isinstance(msg, WatchPool):
+                            self.watch.renew(msg)
                         else:
                             self.on_end(msg)
                     except Exception as exc:
-                        self._fail(msg.request_id, peer, exc)
+                        if isinstance(msg, WatchPool):
+                            log.exception("dashboard subscription failed")
+                        else:
+                            self._fail(msg.request_id, peer, exc)
             if self.results_in in ready:
                 for msg in self.results_in.recv_nowait():
                     if isinstance(msg, ExecutorReady):
@@ -275,7 +297,13 @@ class SchedulerService:
                     self.in_flight = (step.step_id, chunks, started)
             if self.scheduler is not None and time.monotonic() - self.stats_at >= STATS_INTERVAL_S:
                 self.refresh_stats()
+            if self.scheduler is not None and self.watch.due():
+                try:
+                    self.send_snapshot()
+                except Exception:  # a dashboard must never take the scheduler down
+                    log.exception("pool snapshot failed")
         self.heartbeat.stop()
+        self.snapshots_out.close()
 
 
 def run(args: argparse.Namespace) -> int:
