@@ -65,6 +65,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="no CUDA graphs for decode steps")
     parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--step-timeout", type=float, default=120.0,
+                        help="seconds the executor may take to answer a step before it counts as lost")
     add_exposure_args(parser)
     add_address_args(parser, required=False)
     add_log_args(parser)
@@ -98,6 +100,8 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses) -> dict[str, 
     if args.max_model_len is not None:
         scheduler += ["--max-model-len", str(args.max_model_len)]
     scheduler += ["--preemption-mode", args.preemption_mode, "--kv-policy", args.kv_policy]
+    if getattr(args, "step_timeout", None) is not None:
+        scheduler += ["--step-timeout", str(args.step_timeout)]
     scheduler += [] if args.prefix_caching else ["--no-prefix-caching"]
     gateway = model + ["--host", args.host, "--port", str(args.port), "--served-model-name", served,
                        "--request-timeout", str(args.request_timeout)] + exposure_argv(args)

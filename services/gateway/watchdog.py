@@ -46,6 +46,7 @@ class StageWatchdog:
         self._scheduler_down = False
         self._executor_seen: float | None = None
         self._executor_down = False
+        self._executor_lost = False  # the scheduler says the executor stopped answering steps
         self._last_check: float | None = None
 
     @property
@@ -59,7 +60,7 @@ class StageWatchdog:
             return "tokenizer"
         if not self.scheduler_available:
             return "scheduler"
-        if self._executor_seen is None or self._executor_down:
+        if self._executor_seen is None or self._executor_down or self._executor_lost:
             return "executor"
         return None
 
@@ -76,6 +77,7 @@ class StageWatchdog:
             self._tokenizer_names[beat.replica] = beat.instance
             self._tokenizers[beat.instance] = now
         elif beat.stage == "scheduler":
+            self._executor_lost = beat.state.startswith("executor lost")
             if self._scheduler is not None and beat.instance != self._scheduler and not self._scheduler_down:
                 self._scheduler_lost("The scheduler restarted and lost the request; please retry.")
             elif self._scheduler_down:

@@ -67,6 +67,8 @@ HELLO_INTERVAL_S = 0.5
 STATS_INTERVAL_S = 0.05  # heartbeats go out every 0.25 s: fresher stats would go unseen
 STALL_TIMEOUT_S = 30.0  # a replica that reads nothing for this long loses its requests
 BACKLOG_POLL_MS = 5  # how soon a replica's backlog is retried
+STEP_TIMEOUT_S = 120.0  # the executor answers a step within this, or it is lost
+WARMUP_FACTOR = 5  # the first step after an executor announces itself may compile kernels
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +81,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="do not reuse cached KV blocks of identical prompt prefixes")
     parser.add_argument("--kv-policy", choices=KV_POLICIES, default="paged",
                         help="paged (blocks on demand) or a contiguous-reservation baseline of the paper")
+    parser.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S,
+                        help="seconds the executor may take to answer a step before it is treated as lost (its "
+                             f"requests are recomputed when it answers again); {WARMUP_FACTOR}x that for the "
+                             "first step after it starts, which may compile kernels")
     add_address_args(parser, required=False)
     add_log_args(parser)
 
@@ -97,6 +103,8 @@ class SchedulerService:
         self.executor_instance: str | None = None
         self.hello_at = 0.0
         self.in_flight: tuple[int, list[ScheduledChunk], float] | None = None  # id, chunks, start
+        self.executor_lost: str | None = None  # why, while the executor does not answer
+        self.executor_warm = False  # it answered a step since it announced itself
         self.pending: list[tuple[bytes, TokenizedRequest]] = []  # before the executor is up
         self.heartbeat = HeartbeatThread(
             ctx, addr.status, "scheduler", "scheduler", self._state,
@@ -123,13 +131,18 @@ class SchedulerService:
         self.snapshots_out.send_nowait(snapshot)
 
     def _state(self) -> str:
+        if self.executor_lost is not None:
+            return f"executor lost: {self.executor_lost}"
         return "ready" if self.scheduler else "waiting for executor"
 
     # --- messages from the executor --------------------------------------------------
 
     def on_executor_ready(self, msg: ExecutorReady) -> None:
-        if msg.instance and msg.instance == self.executor_instance:
+        if msg.instance and msg.instance == self.executor_instance and self.executor_lost is None:
             return  # the executor we know, answering a hello: its KV is intact
+        if self.executor_lost is not None:
+            log.warning("executor answers again after %s", self.executor_lost)
+        self.executor_lost, self.executor_warm = None, False
         self.executor_instance = msg.instance
         if self.scheduler is None:
             max_len = min(msg.max_model_len, self.args.max_model_len or msg.max_model_len)
@@ -158,6 +171,7 @@ class SchedulerService:
             return  # a step from before an executor restart
         _, chunks, started = self.in_flight
         self.in_flight = None
+        self.executor_warm = True
         expected_logprobs = sum(1 for c in chunks if c.samples and c.request.params.use_beam_search)
         if isinstance(msg, StepResult) and (len(msg.sampled) != len(chunks)
                                             or len(msg.top_logprobs) != expected_logprobs):
@@ -249,16 +263,34 @@ class SchedulerService:
                 self._reply(peer, RequestError(rid, 503, "the tokenizer replica serving this request stopped "
                                                          "reading; the request was ended", "service_unavailable"))
 
+    def _check_step_deadline(self) -> None:
+        """An executor that does not answer the step in flight in time is lost, as if it
+        had died: every running request is preempted, and recomputed once it answers a
+        SchedulerHello (the same instance, thawed) or announces itself (a new one)."""
+        if self.in_flight is None:
+            return
+        step_id, _, started = self.in_flight
+        waited = time.perf_counter() - started
+        if waited <= self.args.step_timeout * (1 if self.executor_warm else WARMUP_FACTOR):
+            return
+        self.executor_lost = f"step {step_id} unanswered for {waited:.0f} s"
+        log.error("executor lost: %s; preempting %d running requests until it answers again", self.executor_lost,
+                  len(self.scheduler.running))
+        self.scheduler.preempt_all()
+        self.in_flight, self.hello_at = None, 0.0
+
     # --- the loop ---------------------------------------------------------------------
 
     def serve(self) -> None:
         self.heartbeat.start()
         stalled = False  # work is queued but nothing fits until something changes
         while self.running:
-            if self.scheduler is None and time.monotonic() - self.hello_at > HELLO_INTERVAL_S:
+            self._check_step_deadline()
+            lost = self.scheduler is None or self.executor_lost is not None
+            if lost and time.monotonic() - self.hello_at > HELLO_INTERVAL_S:
                 self.steps_out.send_nowait(SchedulerHello(INSTANCE_ID))
                 self.hello_at = time.monotonic()
-            can_step = self.in_flight is None and self.scheduler is not None and self.scheduler.has_work
+            can_step = self.in_flight is None and not lost and self.scheduler.has_work
             idle_ms = BACKLOG_POLL_MS if self.outbox.held else 100
             if self.watch.active:
                 idle_ms = min(idle_ms, int(self.watch.interval_s * 1000))
@@ -286,7 +318,7 @@ class SchedulerService:
                     else:
                         self.on_step_done(msg)
             self._flush_replies()
-            if self.in_flight is None and self.scheduler and self.scheduler.has_work:
+            if self.in_flight is None and self.scheduler and self.executor_lost is None and self.scheduler.has_work:
                 started = time.perf_counter()
                 scheduled = self.scheduler.schedule()
                 self._report_failures()

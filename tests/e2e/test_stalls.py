@@ -1,0 +1,89 @@
+"""Stages that hang instead of dying (SIGSTOP), under `pagedserve serve` on the tiny model
+with two tokenizer replicas and a short step deadline:
+
+- a frozen executor misses the step deadline: the scheduler treats it as lost (its
+  requests preempted), /health says so, and once thawed it recomputes them to the
+  output of an undisturbed run;
+- a frozen tokenizer replica is found by its missing heartbeats and routed around: new
+  requests go to the other replica and those it held are replayed there, unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.e2e.load import dumps, greedy, prompts, run_load
+from tests.helpers import ServerProcess, get
+
+STEP_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    extra = ["--dtype", "float32", "--served-model-name", "tiny-llama", "--tokenizer-replicas", "2",
+             "--step-timeout", str(STEP_TIMEOUT_S)]
+    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("stalls"), extra) as srv:
+        yield srv
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def health(server) -> tuple[int, dict]:
+    status, body = get(server.url + "/health")
+    return status, json.loads(body)
+
+
+def scheduler_state(server) -> str:
+    return health(server)[1]["stages"]["scheduler"][0]["state"]
+
+
+def test_a_frozen_executor_misses_the_step_deadline_and_its_requests_are_recomputed(server):
+    bodies = [greedy(p, 24) for p in prompts(4, seed=31)]
+    stream_bodies = [greedy(p, 24, stream=True) for p in prompts(2, seed=32)]
+    reference = asyncio.run(run_load(server.url, bodies, stream_bodies))
+    assert all(r[0] == 200 for r in reference), dumps(reference)
+    pid = server.stage_pid("executor")
+    preemptions = server.metrics()["pagedserve_num_preemptions_total"]
+
+    async def disturbed():
+        frozen = []
+
+        def freeze_on_first_chunk():
+            if not frozen:
+                os.kill(pid, signal.SIGSTOP)
+                frozen.append(time.monotonic())
+
+        task = asyncio.create_task(run_load(server.url, bodies, stream_bodies, on_chunk=freeze_on_first_chunk))
+        try:
+            await asyncio.to_thread(wait_until, lambda: frozen, 60, "the first chunk")
+            state = await asyncio.to_thread(
+                wait_until, lambda: scheduler_state(server).startswith("executor lost") and scheduler_state(server),
+                10 + STEP_TIMEOUT_S, "the scheduler to give the executor up")
+            status, body = await asyncio.to_thread(health, server)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return await task, state, status, body
+
+    results, state, status, body = asyncio.run(disturbed())
+    assert "unanswered" in state
+    assert status == 503 and "scheduler" in body["not_ready"], body
+    assert results == reference, server.log()
+    assert server.stage_pid("executor") == pid  # thawed, not restarted
+    wait_until(lambda: server.metrics()["pagedserve_num_preemptions_total"] > preemptions, 5,
+               "the preemptions in the scheduler's next heartbeat")
+    wait_until(lambda: health(server)[0] == 200, 10, "healthy again")
+    server.wait_blocks_free()
