@@ -46,6 +46,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"],
+                        help="int4 copies of the weights for small steps; auto: when the checkpoint is already 4-bit")
+    parser.add_argument("--int4-max-rows", type=int, default=None,
+                        help="steps of at most this many tokens use the int4 copies (default: measured at load)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default=None, help="bytes for the KV pool (e.g. 2GiB)")
@@ -81,7 +85,10 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses) -> dict[str, 
     model = ["--model", args.model]
     served = default_served_name(args.model) if args.served_model_name is None else args.served_model_name
 
-    executor = model + ["--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size)]
+    executor = model + ["--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
+                        "--quantization", args.quantization]
+    if args.int4_max_rows is not None:
+        executor += ["--int4-max-rows", str(args.int4_max_rows)]
     if args.num_kv_blocks is not None:
         executor += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.kv_cache_memory is not None:

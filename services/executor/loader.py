@@ -7,6 +7,7 @@ safetensors files, tensor by tensor.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from transformers import AutoConfig
 
 from kernels.attention import AttentionBackend, get_backend
 from services.executor.models.llama import LlamaForCausalLM
+from services.executor.quantization import attach_int4, int4_copies
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -43,14 +47,25 @@ def load_model(
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device = "cpu",
     backend: AttentionBackend | None = None,
+    quantization: str = "none",
+    int4_max_rows: int | None = None,
 ) -> LlamaForCausalLM:
+    """The model in `dtype` on `device`; `quantization` (see services.executor.quantization) may add
+    int4 copies of the decoder's weights for small steps."""
     model_dir = Path(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     dtype = parse_dtype(dtype)
     backend = backend or get_backend("auto", str(device))
+    quantize = quantization != "none"
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, device=device)
-    model = model.to(dtype).to_empty(device=device)
+    # int4 copies are made from the checkpoint's own values, before a cast can move them off their grid
+    model = model.to(torch.float32 if quantize else dtype).to_empty(device=device)
     with torch.no_grad():
         model.load_weights(iter_safetensors(model_dir))
+        copies, why = int4_copies(model, quantization, device) if quantize else (None, "asked for none")
+        model = model.to(dtype)
+        log.info("quantization %s -> %s: %s", quantization, "int4" if copies else "none", why)
+        if copies:
+            log.info(attach_int4(model, copies, dtype, int4_max_rows))
     return model.eval()

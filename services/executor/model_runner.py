@@ -59,6 +59,8 @@ class ModelRunner:
         max_num_seqs: int = 256,
         cuda_graphs: bool = True,
         swap_space: int = 0,
+        quantization: str = "auto",
+        int4_max_rows: int | None = None,
     ):
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -68,7 +70,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device, _checkpoint_dtype(model_dir))
         self.block_size = block_size
         self.backend = get_backend(attention_backend, device)
-        self.model = load_model(model_dir, self.dtype, self.device, self.backend)
+        self.model = load_model(model_dir, self.dtype, self.device, self.backend, quantization, int4_max_rows)
         config = self.model.config
         self.max_model_len: int = config.max_position_embeddings
         self.vocab_size: int = config.vocab_size

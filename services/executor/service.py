@@ -44,6 +44,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_model_args(parser)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="auto: bfloat16 on CUDA and on CPUs with bfloat16 matrix instructions, else float32")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"],
+                        help="int4: also keep 4-bit copies of the decoder's weights (groups of 32, as GGUF Q4_1) "
+                             "for steps of few tokens, where reading weights dominates; auto: int4 when the "
+                             "checkpoint is already 4-bit (lossless), else none")
+    parser.add_argument("--int4-max-rows", type=int, default=None,
+                        help="steps of at most this many tokens use the int4 copies (default: measured at load)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="pool size; wins over --kv-cache-memory")
     parser.add_argument("--kv-cache-memory", type=parse_size, default=None,
@@ -94,6 +100,7 @@ class Executor:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                 cuda_graphs=args.cuda_graphs, swap_space=args.swap_space or 0,
+                quantization=args.quantization, int4_max_rows=args.int4_max_rows,
             )
             if self.stop.is_set():
                 return 0

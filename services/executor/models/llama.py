@@ -21,6 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.attention import AttentionBackend
 from services.executor.batch import BatchMetadata
+from services.executor.quantization import Int4Weight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ACTIVATIONS = ("silu",)
@@ -35,7 +36,15 @@ def num_kv_heads_of(config) -> int:
 
 
 class Linear(nn.Linear):
+    """A dense linear that may also hold an int4 copy of its weight, used for calls of few rows."""
+
+    int4: Int4Weight | None = None
+
     def forward(self, x: Tensor) -> Tensor:
+        q = self.int4
+        if q is not None and x.shape[0] <= q.max_rows:
+            y = q.matmul(x)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
 
@@ -204,6 +213,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.backend.rms_norm(x[rows] + residual[rows], norm.weight, norm.eps)
         head = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         return F.linear(x, head).float()
+
+    def decoder_linears(self) -> list[Linear]:
+        """The projections of every decoder layer (what `--quantization` applies to; not the head)."""
+        return [m for m in self.model.layers.modules() if isinstance(m, Linear)]
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy checkpoint tensors (transformers' names) in; raises unless every weight is set."""

@@ -1,0 +1,122 @@
+"""Weight-only int4 (services.executor.quantization) against plain float32 math.
+
+- Quantizing a tensor already on a Q4_1 grid gives back its values (up to the
+  bfloat16 rounding of scale and zero); `auto` quantizes only such checkpoints.
+- The int4 matmul equals x @ dequantized(w).T within bfloat16 rounding.
+- A linear uses its int4 copy only for calls of at most `max_rows` rows.
+- Loading with `quantization="auto"` quantizes a Q4_1-valued checkpoint and leaves
+  an ordinary one alone; the int4 model's logits stay close to float32's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.executor import quantization as q
+from services.executor.loader import load_model
+from services.executor.models.llama import Linear
+
+pytestmark = pytest.mark.skipif(not q.supported("cpu"), reason="this torch has no CPU int4 kernel")
+
+
+def q4_1_values(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """A float32 tensor whose groups of 32 hold GGUF Q4_1 values: d * q + m, q in 0..15."""
+    g = torch.Generator().manual_seed(seed)
+    groups = (out_features, in_features // 32, 1)
+    d = (torch.rand(groups, generator=g) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(groups, generator=g) * 0.2).half().float()
+    codes = torch.randint(0, 16, (out_features, in_features // 32, 32), generator=g).float()
+    codes[..., 0], codes[..., 1] = 0, 15  # Q4_1 maps each group's min to 0 and its max to 15
+    return (codes * d + m).view(out_features, in_features)
+
+
+def test_q4_1_values_are_on_the_grid_and_round_trip():
+    w = q4_1_values(64, 128)
+    assert q.on_4bit_grid(w)
+    assert not q.on_4bit_grid(torch.randn(64, 128))
+    assert not q.on_4bit_grid(w.bfloat16().float() + 1e-3 * torch.randn(64, 128))
+    codes, scale, low = q.q4_1_codes(w)
+    assert torch.equal((codes * scale + low).view(64, 128), w)  # the file's own blocks, bit for bit
+    back = q.dequantize(q.quantize_int4(w), codes)
+    # only scale and zero are rounded to bfloat16 (half an ulp: 2**-8 relative): within that of each term
+    bound = 2**-8 * (8 * scale + (low + 8 * scale).abs()) + 1e-7
+    assert bool(((back - w).abs().view(64, 4, 32) <= bound).all())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 65])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_matmul_matches_the_dequantized_weight(rows, dtype):
+    w = q4_1_values(96, 256, seed=rows)
+    int4 = q.quantize_int4(w)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ref = x.bfloat16().float() @ q.dequantize(int4, q.q4_1_codes(w)[0]).t()
+    out = int4.matmul(x)
+    assert out.dtype == dtype and out.shape == (rows, 96)
+    assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+
+
+def test_a_linear_uses_int4_only_up_to_max_rows():
+    lin = Linear(128, 64, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(q4_1_values(64, 128))
+        lin.bias.copy_(torch.randn(64))
+    lin.int4 = q.quantize_int4(lin.weight.data)
+    lin.int4.max_rows = 4
+    # a different int4 weight makes the path taken visible in the output
+    lin.int4 = q.quantize_int4(q4_1_values(64, 128, seed=7))
+    lin.int4.max_rows = 4
+    x = torch.randn(8, 128)
+    with torch.no_grad():
+        dense = torch.nn.functional.linear(x, lin.weight, lin.bias)
+        small, large = lin(x[:4]), lin(x)
+    assert torch.equal(large, dense)
+    assert torch.allclose(small, lin.int4.matmul(x[:4]) + lin.bias)
+    assert not torch.allclose(small, dense[:4], atol=1e-2)
+
+
+def test_resolve_mode():
+    grid, off = [q4_1_values(64, 128)], [torch.randn(64, 128)]
+    assert q.resolve_mode("auto", grid, "cpu")[0]
+    chosen, why = q.resolve_mode("auto", off, "cpu")
+    assert not chosen and "not 4-bit" in why
+    assert q.resolve_mode("int4", off, "cpu")[0]
+    assert not q.resolve_mode("none", grid, "cpu")[0]
+    assert not q.resolve_mode("auto", grid, "meta")[0]
+    with pytest.raises(ValueError, match="divisible"):
+        q.resolve_mode("int4", [torch.randn(64, 100)], "cpu")
+    with pytest.raises(ValueError, match="unknown quantization"):
+        q.resolve_mode("int8", grid, "cpu")
+
+
+def test_calibrate_returns_a_measured_row_count():
+    layers = [(w, q.quantize_int4(w)) for w in (q4_1_values(256, 256, s) for s in range(4))]
+    rows = q.calibrate(layers, torch.float32, rows=(1, 2, 4), reps=1)
+    assert rows in (0, 1, 2, 4)
+
+
+def _q4_1_checkpoint(src, dst):
+    """A copy of the tiny model whose decoder weights are Q4_1 values (as a converted GGUF's are)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for file in dst.glob("*.safetensors"):
+        tensors = load_file(file)
+        for i, (name, t) in enumerate(sorted(tensors.items())):
+            if name.startswith("model.layers.") and t.dim() == 2:
+                tensors[name] = q4_1_values(*t.shape, seed=i).to(t.dtype)
+        save_file(tensors, file, metadata={"format": "pt"})
+    return dst
+
+
+def test_load_auto_quantizes_only_a_4bit_checkpoint(tiny_model_dir, tmp_path):
+    plain = load_model(tiny_model_dir, "float32", quantization="auto")
+    assert all(m.int4 is None for m in plain.decoder_linears())
+    q4_dir = _q4_1_checkpoint(tiny_model_dir, tmp_path / "q4")
+    model = load_model(q4_dir, "float32", quantization="auto", int4_max_rows=8)
+    linears = model.decoder_linears()
+    assert all(m.int4 is not None and m.int4.max_rows == 8 for m in linears)
+    assert all(m.weight.dtype == torch.float32 for m in linears)
+    assert q.on_4bit_grid(linears[0].weight.data)  # the dense copy keeps the checkpoint's values
