@@ -150,7 +150,7 @@ def test_unknown_model_is_404():
         ({"n": 0}, "n"),
         ({"echo": True}, "echo"),
         ({"logprobs": 3}, "logprobs"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": None}, "prompt"),

@@ -29,11 +29,16 @@ class BatchMetadata:
     query_start_loc: Tensor  # [num_seqs + 1] where each sequence's tokens start
     context_lens: Tensor  # [num_seqs] start_pos + its number of new tokens
     block_tables: Tensor  # [num_seqs, max_blocks], padded with block 0
-    sample_indices: Tensor  # [num_sampled] row of each sampled sequence's last token
+    # rows whose logits the model computes: each sampled sequence's last token, then the
+    # scored prompt positions of the sequences that score their prompt
+    sample_indices: Tensor  # [num_sampled + num_scored]
     sampled_seqs: list[int]  # which sequence each sampled row belongs to
     query_lens: list[int]
     decode_seqs: list[int]  # sequences with a single new token
     block_size: int
+    # (sequence, number of positions) of the sequences that score prompt positions: their
+    # rows follow the sampled ones in sample_indices, in this order
+    scored_seqs: list[tuple[int, int]] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -89,6 +94,12 @@ class BatchMetadata:
 
         sampled_seqs = [i for i, s in enumerate(seqs) if s.sample]
         sample_indices = query_start_loc[1:][sampled_seqs] - 1
+        scored = [(i, len(s.score_targets)) for i, s in enumerate(seqs) if s.score_targets]
+        for i, m in scored:
+            if m > query_lens[i] - (1 if seqs[i].sample else 0):
+                raise InvalidStep(f"{seqs[i].request_id}: {m} scored positions in a chunk of {query_lens[i]}")
+        if scored:
+            sample_indices = torch.cat([sample_indices] + [query_start_loc[i] + torch.arange(m) for i, m in scored])
         input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in seqs)), dtype=torch.long)
         return cls(
             input_ids=input_ids.to(device),
@@ -102,4 +113,5 @@ class BatchMetadata:
             query_lens=query_lens,
             decode_seqs=[i for i, n in enumerate(query_lens) if n == 1],
             block_size=block_size,
+            scored_seqs=scored,
         )

@@ -2,7 +2,10 @@
 
 A step is: copy-on-write block copies, then one forward pass over every scheduled
 sequence's new tokens (their K/V land in the pool at the slots the scheduler chose),
-then sampling of the sequences that asked for a token.
+then sampling of the sequences that asked for a token. `run` returns the whole
+`StepResult`: the tokens, the beams' candidates, the logprobs asked for (see
+`logprobs`) and the scored prompt positions of the sequences that score their prompt
+(logits are computed at those positions only for them).
 
 On CUDA the pool, unless sized explicitly, takes what a profiling pass of the
 largest step leaves of `gpu_memory_utilization` of the GPU (see `gpu_memory`), and
@@ -25,10 +28,12 @@ from services.executor.dtype_choice import resolve_dtype
 from services.executor.gpu_memory import kv_cache_budget, profile_step
 from services.executor.kv_cache import DEFAULT_KV_CACHE_MEMORY, KVCache, bytes_per_block
 from services.executor.loader import load_model
+from services.executor.logits_processors import History
+from services.executor.logprobs import token_logprobs
 from services.executor.models.llama import head_dim_of, num_kv_heads_of
 from services.executor.sampler import Sampler
 from services.executor.swap_space import SwapSpace
-from shared.messages import ExecuteStep
+from shared.messages import ExecuteStep, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +103,7 @@ class ModelRunner:
         """Run the step's forward pass; float32 logits of its sampled sequences, in order.
 
         A decode step replayed from a CUDA graph keeps its BatchMetadata on the CPU."""
-        graph = self.graphs is not None and self.graphs.fits(step)
+        graph = self.graphs is not None and self.graphs.fits(step) and not any(s.score_targets for s in step.seqs)
         meta = BatchMetadata.from_step(step, self.block_size, self.num_kv_blocks, "cpu" if graph else self.device)
         self._move_blocks(step)
         start = time.perf_counter()
@@ -113,21 +118,43 @@ class ModelRunner:
         return logits, meta
 
     def execute(self, step: ExecuteStep) -> list[int]:
-        """The token sampled for each of step.seqs, or -1 where a sequence is not sampled."""
+        """The token sampled for each of step.seqs, or -1 where a sequence is not sampled
+        (the rest of the result in last_top_logprobs and last_forward_s)."""
+        result = self.run(step)
+        self.last_top_logprobs = result.top_logprobs
+        return result.sampled
+
+    def run(self, step: ExecuteStep) -> StepResult:
         self.last_forward_s = 0.0
-        self.last_top_logprobs = []
         if not step.seqs:
             self._move_blocks(step)
-            return []
+            return StepResult(step.step_id, [], 0.0)
         logits, meta = self.compute_logits(step)
-        sampled = [-1] * len(step.seqs)
-        if meta.sampled_seqs:
+        result = StepResult(step.step_id, [-1] * len(step.seqs), self.last_forward_s)
+        num_sampled = len(meta.sampled_seqs)
+        if num_sampled:
             seqs = [step.seqs[i] for i in meta.sampled_seqs]
-            tokens = self.sampler(logits, [s.sampling for s in seqs], [s.output_index for s in seqs])
+            params = [s.sampling for s in seqs]
+            indices = [s.output_index for s in seqs]
+            histories = [History(s.prompt_token_ids, s.output_token_ids) if s.sampling.needs_history else None
+                         for s in seqs]
+            raw = logits[:num_sampled]
+            processed = self.sampler.process(raw, params, indices, histories)
+            tokens = self.sampler.sample(processed, params, indices)
             for i, token in zip(meta.sampled_seqs, tokens, strict=True):
-                sampled[i] = token
-            self.last_top_logprobs = self._top_logprobs(logits, seqs)
-        return sampled
+                result.sampled[i] = token
+            result.top_logprobs = self._top_logprobs(processed, seqs)
+            asked = [j for j, p in enumerate(params) if p.logprobs is not None]
+            if asked:
+                result.logprobs = token_logprobs(raw[asked], [tokens[j] for j in asked],
+                                                 [params[j].logprobs for j in asked])
+        row = num_sampled
+        for i, m in meta.scored_seqs or []:
+            seq = step.seqs[i]
+            result.prompt_logprobs.append(token_logprobs(logits[row : row + m], list(seq.score_targets),
+                                                         [seq.prompt_logprobs] * m))
+            row += m
+        return result
 
     @staticmethod
     def _top_logprobs(logits: Tensor, seqs: list) -> list[list[tuple[int, float]]]:

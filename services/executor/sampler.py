@@ -1,6 +1,9 @@
-"""Turns each sampled row of logits into a token: greedy, or temperature / top-k / top-p sampling.
+"""Turns each sampled row of logits into a token: greedy, or temperature / min-p / top-k / top-p sampling.
 
-A seeded sequence draws its token with a generator seeded from (seed, output_index)
+The logits processors (allowed tokens, min_tokens, logit_bias, penalties: see
+`logits_processors`) run first, on greedy and sampled rows alike. Then greedy rows
+take one batched argmax; the others are scaled by their temperature, cut by min_p
+(tokens below min_p times the most likely one's probability), top-k, then top-p. A seeded sequence draws its token with a generator seeded from (seed, output_index)
 alone, so a request gives the same output whatever else shares its batch and
 however often it is preempted and recomputed. Unseeded rows share one process
 generator and are drawn together; greedy rows take one batched argmax.
@@ -13,6 +16,7 @@ import hashlib
 import torch
 from torch import Tensor
 
+from services.executor.logits_processors import History, apply_processors
 from shared.messages import SeqSampling
 
 GREEDY_BELOW = 1e-5  # a temperature this small means greedy
@@ -32,8 +36,19 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
 
-    def __call__(self, logits: Tensor, params: list[SeqSampling], output_indices: list[int]) -> list[int]:
+    def __call__(self, logits: Tensor, params: list[SeqSampling], output_indices: list[int],
+                 histories: list[History | None] | None = None) -> list[int]:
         """logits [n, vocab] float32, one row per sampled sequence; returns n token ids."""
+        return self.sample(self.process(logits, params, output_indices, histories), params, output_indices)
+
+    @staticmethod
+    def process(logits: Tensor, params: list[SeqSampling], output_indices: list[int],
+                histories: list[History | None] | None = None) -> Tensor:
+        """The logits after every row's processors (the same tensor if none applies)."""
+        return apply_processors(logits, params, output_indices, histories)
+
+    def sample(self, logits: Tensor, params: list[SeqSampling], output_indices: list[int]) -> list[int]:
+        """Tokens from processed logits."""
         out = [0] * len(params)
         greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_BELOW]
         if greedy:
@@ -49,16 +64,24 @@ class Sampler:
 
     @staticmethod
     def _probabilities(logits: Tensor, params: list[SeqSampling]) -> Tensor:
-        """Probabilities after temperature, then top-k and top-p cuts on the rows that ask for them
-        (only those rows are sorted, so a row's numbers never depend on its batch)."""
+        """Probabilities after temperature, then min-p, top-k and top-p cuts on the rows that ask
+        for them (only those rows are sorted, so a row's numbers never depend on its batch)."""
         vocab = logits.shape[-1]
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
-        probs = (logits / temps[:, None]).softmax(dim=-1)
+        scaled = logits / temps[:, None]
+        min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0]
+        if min_p_rows:
+            rows = torch.tensor(min_p_rows, device=logits.device)
+            sub = scaled[rows]
+            sub_probs = sub.softmax(dim=-1)
+            min_p = torch.tensor([params[i].min_p for i in min_p_rows], device=logits.device)[:, None]
+            floor = sub_probs.max(dim=-1, keepdim=True).values * min_p
+            scaled[rows] = sub.masked_fill(sub_probs < floor, float("-inf"))
+        probs = scaled.softmax(dim=-1)
         cut_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
         if not cut_rows:
             return probs
-        scaled = logits[cut_rows] / temps[cut_rows, None]
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        sorted_logits, order = scaled[cut_rows].sort(dim=-1, descending=True)
         top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in cut_rows],
                              device=logits.device)
         top_p = torch.tensor([params[i].top_p for i in cut_rows], device=logits.device)

@@ -130,12 +130,10 @@ class Executor:
 
     def execute(self, runner: ModelRunner, step: ExecuteStep) -> StepResult | StepFailed:
         try:
-            sampled = runner.execute(step)
+            return runner.run(step)
         except Exception as exc:
             log.exception("step %d failed", step.step_id)
             return StepFailed(step_id=step.step_id, message=f"{type(exc).__name__}: {exc}")
-        return StepResult(step_id=step.step_id, sampled=sampled, forward_s=runner.last_forward_s,
-                          top_logprobs=runner.last_top_logprobs)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,6 +28,11 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 # overflows (a beam's score divides by length ** length_penalty).
 MAX_TEMPERATURE = 100.0
 MAX_LENGTH_PENALTY = 10.0
+MAX_PENALTY = 2.0  # presence and frequency, as OpenAI
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 100.0  # as OpenAI
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ALLOWED_TOKEN_IDS = 65536
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _INT64 = 2**63
 
@@ -35,7 +40,8 @@ _INT64 = 2**63
 _COMMON_FIELDS = {
     "model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
     "include_stop_str_in_output", "use_beam_search", "beam_width", "length_penalty", "return_token_ids",
-    "stream", "stream_options", "n_predict",
+    "stream", "stream_options", "n_predict", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "min_tokens", "allowed_token_ids",
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens"}
@@ -240,7 +246,58 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
         stop_token_ids=_stop_token_ids(body),
         ignore_eos=_boolean(body, "ignore_eos", False),
         include_stop_str_in_output=_boolean(body, "include_stop_str_in_output", False),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        repetition_penalty=_repetition_penalty(body),
+        logit_bias=_logit_bias(body),
+        min_tokens=_min_tokens(body, max_tokens),
+        allowed_token_ids=_token_id_list(body, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, allow_empty=False),
     )
+
+
+def _repetition_penalty(body: dict) -> float:
+    value = _number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY)
+    if value <= 0:
+        raise ApiError("'repetition_penalty' must be above 0 (1 = none).", param="repetition_penalty")
+    return value
+
+
+def _logit_bias(body: dict) -> list[tuple[int, float]]:
+    """OpenAI's {"token id": bias}; the ids are checked against the vocabulary by the tokenizer stage."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return []
+    if not isinstance(bias, dict):
+        raise _wrong_type("logit_bias", "an object mapping token ids to numbers", bias)
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ApiError(f"'logit_bias' has more than {MAX_LOGIT_BIAS_ENTRIES} entries.", param="logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise ApiError(f"'logit_bias' keys must be token ids, got {key[:20]!r}.", param="logit_bias")
+        out.append((int(key), _number({"logit_bias": value}, "logit_bias", 0.0, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)))
+    return sorted(out)
+
+
+def _min_tokens(body: dict, max_tokens: int | None) -> int:
+    value = _integer(body, "min_tokens", 0)
+    if value < 0 or (max_tokens is not None and value > max_tokens):
+        raise ApiError(f"'min_tokens' must be between 0 and max_tokens, got {value}.", param="min_tokens")
+    return value
+
+
+def _token_id_list(body: dict, name: str, limit: int, allow_empty: bool = True) -> list[int]:
+    ids = body.get(name)
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(_is_token_id(t) for t in ids):
+        raise _wrong_type(name, "an array of token ids", ids)
+    if not ids and not allow_empty:
+        raise ApiError(f"'{name}' must not be empty.", param=name)
+    if len(ids) > limit:
+        raise ApiError(f"Too many {name}: at most {limit}.", param=name)
+    return ids
 
 
 def _stop(body: dict) -> list[str]:
@@ -262,14 +319,7 @@ def _stop(body: dict) -> list[str]:
 
 
 def _stop_token_ids(body: dict) -> list[int]:
-    ids = body.get("stop_token_ids")
-    if ids is None:
-        return []
-    if not isinstance(ids, list) or not all(_is_token_id(t) for t in ids):
-        raise _wrong_type("stop_token_ids", "an array of token ids", ids)
-    if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise ApiError(f"Too many stop_token_ids: at most {MAX_STOP_TOKEN_IDS}.", param="stop_token_ids")
-    return ids
+    return _token_id_list(body, "stop_token_ids", MAX_STOP_TOKEN_IDS)
 
 
 def _is_token_id(value) -> bool:

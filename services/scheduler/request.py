@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import msgspec
 
@@ -81,10 +82,16 @@ class Request:
     def max_total_tokens(self) -> int:
         return self.num_prompt_tokens + self.params.max_tokens
 
-    @property
+    @cached_property
     def sampling(self) -> SeqSampling:
         p = self.params
-        return SeqSampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+        mask = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids)))
+        return SeqSampling(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, min_p=p.min_p,
+            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids,
+            min_tokens=p.min_tokens, min_tokens_mask=mask if p.min_tokens else [], logprobs=p.logprobs,
+        )
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         n = self.num_prompt_tokens

@@ -362,6 +362,8 @@ class Scheduler:
 
     def _seq(self, chunk: ScheduledChunk) -> ScheduledSeq:
         req, start = chunk.request, chunk.request.num_computed_tokens
+        sampling = req.sampling
+        history = chunk.samples and sampling.needs_history
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.token_ids(start, start + chunk.num_tokens),
@@ -372,6 +374,8 @@ class Scheduler:
             output_index=req.num_output_tokens,
             sampling=req.sampling,
             num_logprobs=2 * req.params.beam_width if req.params.use_beam_search else 0,
+            output_token_ids=list(req.output_token_ids) if history else [],
+            prompt_token_ids=req.prompt_token_ids if history and sampling.repetition_penalty != 1 else [],
         )
 
     def process_results(

@@ -18,6 +18,8 @@ MAX_TEMPERATURE = 1e4
 MAX_LENGTH_PENALTY = 100.0  # beam scores divide by length ** length_penalty
 MAX_SEED = 2**63 - 1 - MAX_N  # each sample adds its index to the seed, which must stay an int64
 MAX_TOKEN_ID = 2**31 - 1
+MAX_PENALTY = 1e4  # penalties and biases: finite and far from overflowing a float32 logit
+MAX_LOGPROBS = 64
 
 
 def _float_problem(name: str, value: float, low: float, high: float) -> str | None:
@@ -32,6 +34,12 @@ def params_problem(p: SamplingParams) -> str | None:
         _float_problem("temperature", p.temperature, 0.0, MAX_TEMPERATURE)
         or _float_problem("top_p", p.top_p, 0.0, 1.0)
         or _float_problem("length_penalty", p.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)
+        or _float_problem("min_p", p.min_p, 0.0, 1.0)
+        or _float_problem("presence_penalty", p.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        or _float_problem("frequency_penalty", p.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        or _float_problem("repetition_penalty", p.repetition_penalty, 1e-6, MAX_PENALTY)
+        or next(filter(None, (_float_problem("logit_bias", b, -MAX_PENALTY, MAX_PENALTY) for _, b in p.logit_bias)),
+                None)
     )
     if problem:
         return problem
@@ -49,6 +57,13 @@ def params_problem(p: SamplingParams) -> str | None:
         return f"seed must be between {-MAX_SEED} and {MAX_SEED}, got {p.seed}"
     if any(not 0 <= t <= MAX_TOKEN_ID for t in p.stop_token_ids):
         return "stop_token_ids must be token ids"
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in (*p.allowed_token_ids, *(t for t, _ in p.logit_bias))):
+        return "allowed_token_ids and logit_bias must name token ids"
+    if not 0 <= p.min_tokens <= p.max_tokens:
+        return f"min_tokens must be between 0 and max_tokens, got {p.min_tokens}"
+    for name, k in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            return f"{name} must be between 0 and {MAX_LOGPROBS}, got {k}"
     return None
 
 

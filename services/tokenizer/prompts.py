@@ -40,7 +40,17 @@ class PromptBuilder:
         if not ids:
             raise PromptError(f"The {what} is empty: at least one token is needed.", what)
         self._check_length(len(ids), req.params.max_tokens, what)
+        self._check_param_ids(req.params)
         return ids
+
+    def _check_param_ids(self, params: SamplingParams) -> None:
+        """Token ids in sampling fields must be in the vocabulary."""
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise PromptError(f"'{name}' holds token id {bad}, outside the vocabulary [0, {self.vocab_size}).",
+                                  name)
 
     def _chat(self, req: GenerateRequest) -> list[int]:
         if not req.messages:

@@ -1,0 +1,109 @@
+"""The logits processors of one step, batched: each is a few tensor ops over the rows that use it.
+
+Applied in this order, before temperature (as vLLM does):
+1. `allowed_token_ids`: every other token is masked (-inf);
+2. `min_tokens`: while a row has produced fewer tokens, its EOS and stop token ids are masked;
+3. `logit_bias`: added to the logits of the tokens named;
+4. `repetition_penalty` r (transformers' `RepetitionPenaltyLogitsProcessor`, vLLM's): the
+   logit of every token seen in the prompt or the output is divided by r when positive,
+   multiplied by r when negative;
+5. `frequency_penalty` f and `presence_penalty` p (OpenAI's): logit -= f * count + p * (count > 0),
+   counting the tokens generated so far only.
+
+A row's history (its prompt and output token ids) is turned into counts with one
+scatter over a padded [rows, length] tensor; nothing loops over the vocabulary in
+Python. Rows that use no processor are untouched, and a step where no row uses one
+returns the logits as they came (no copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from shared.messages import SeqSampling
+
+
+class History:
+    """The tokens a row's penalties read."""
+
+    __slots__ = ("output_token_ids", "prompt_token_ids")
+
+    def __init__(self, prompt_token_ids: Sequence[int] = (), output_token_ids: Sequence[int] = ()):
+        self.prompt_token_ids, self.output_token_ids = prompt_token_ids, output_token_ids
+
+
+def _uses_any(p: SeqSampling, output_index: int) -> bool:
+    return bool(p.allowed_token_ids or p.logit_bias or p.needs_history
+                or (output_index < p.min_tokens and p.min_tokens_mask))
+
+
+def _counts(rows: list[Sequence[int]], vocab: int, device) -> Tensor:
+    """[len(rows), vocab] float counts of each token id in each row (ids outside the vocabulary
+    are dropped)."""
+    width = max((len(r) for r in rows), default=0)
+    padded = torch.full((len(rows), width + 1), vocab, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            padded[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+    padded = padded.clamp_(0, vocab).to(device)
+    counts = torch.zeros(len(rows), vocab + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _flat(pairs: list[tuple[int, int]], vocab: int, device) -> tuple[Tensor, Tensor]:
+    kept = [(r, t) for r, t in pairs if 0 <= t < vocab]
+    rows = torch.tensor([r for r, _ in kept], dtype=torch.long, device=device)
+    toks = torch.tensor([t for _, t in kept], dtype=torch.long, device=device)
+    return rows, toks
+
+
+def apply_processors(logits: Tensor, params: Sequence[SeqSampling], output_indices: Sequence[int],
+                     histories: Sequence[History | None] | None = None) -> Tensor:
+    """logits [rows, vocab] float32 with each row's processors applied (a new tensor, or the
+    same one when no row uses any)."""
+    if not any(_uses_any(p, i) for p, i in zip(params, output_indices, strict=True)):
+        return logits
+    logits = logits.clone()
+    vocab, device = logits.shape[-1], logits.device
+    ninf = float("-inf")
+
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    if allowed:
+        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=device)
+        r, t = _flat([(j, tok) for j, i in enumerate(allowed) for tok in params[i].allowed_token_ids], vocab, device)
+        keep[r, t] = True
+        rows = torch.tensor(allowed, device=device)
+        logits[rows] = logits[rows].masked_fill(~keep, ninf)
+
+    masked = [(i, tok) for i, (p, n) in enumerate(zip(params, output_indices, strict=True)) if n < p.min_tokens
+              for tok in p.min_tokens_mask]
+    if masked:
+        r, t = _flat(masked, vocab, device)
+        logits[r, t] = ninf
+
+    biased = [(i, tok, b) for i, p in enumerate(params) for tok, b in p.logit_bias if 0 <= tok < vocab]
+    if biased:
+        r, t = _flat([(i, tok) for i, tok, _ in biased], vocab, device)
+        bias = torch.tensor([b for _, _, b in biased], dtype=logits.dtype, device=device)
+        logits.index_put_((r, t), bias, accumulate=True)
+
+    penalized = [i for i, p in enumerate(params) if p.needs_history]
+    if penalized:
+        if histories is None or any(histories[i] is None for i in penalized):
+            raise ValueError("a penalized row has no token history")
+        rows = torch.tensor(penalized, device=device)
+        sub = logits[rows]
+        out_counts = _counts([histories[i].output_token_ids for i in penalized], vocab, device)
+        rep = torch.tensor([params[i].repetition_penalty for i in penalized], device=device)[:, None]
+        if (rep != 1).any():
+            seen = (out_counts > 0) | (_counts([histories[i].prompt_token_ids for i in penalized], vocab, device) > 0)
+            sub = torch.where(seen & (rep != 1), torch.where(sub > 0, sub / rep, sub * rep), sub)
+        freq = torch.tensor([params[i].frequency_penalty for i in penalized], device=device)[:, None]
+        pres = torch.tensor([params[i].presence_penalty for i in penalized], device=device)[:, None]
+        sub = sub - freq * out_counts - pres * (out_counts > 0).to(sub.dtype)
+        logits[rows] = sub
+    return logits
