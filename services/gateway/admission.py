@@ -1,7 +1,7 @@
 """Who may send a generation request now: API key, draining, scheduler presence, queue bound.
 
 Checks run before a request enters the pipeline and answer with an OpenAI-style error:
-401 without the API key (on every route but /openapi.json; /health and /metrics are
+401 without the API key (on every route but /openapi.json and the dashboard page; /health and /metrics are
 open only with --metrics-public, since they tell who is using the server how much), 503 while draining at shutdown or while a stage (tokenizer, scheduler,
 executor) has no live instance, 429
 with Retry-After once max_queued requests already wait for their first token.
@@ -14,11 +14,12 @@ import os
 
 from aiohttp import web
 
+from services.gateway.dashboard_http import OPEN_PATHS as DASHBOARD_PAGES
 from services.gateway.openai_schema import ApiError
 from services.gateway.options import API_KEY_ENV
 
 RETRY_AFTER_S = 1
-ALWAYS_OPEN = ("/openapi.json",)
+ALWAYS_OPEN = ("/openapi.json", *DASHBOARD_PAGES)  # the dashboard's data stream needs the key
 METRICS_PATHS = ("/health", "/metrics")
 
 

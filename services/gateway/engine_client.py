@@ -34,6 +34,7 @@ from shared.messages import (
     RequestError,
     TextDelta,
     TokenizerToGateway,
+    WatchPool,
 )
 from shared.transport import AsyncPullSocket, AsyncPushSocket
 
@@ -131,6 +132,11 @@ class EngineClient:
         task = asyncio.get_running_loop().create_task(asyncio.wait_for(send, ABORT_SEND_TIMEOUT_S))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
+
+    async def watch_pool(self, msg: WatchPool) -> None:
+        """A dashboard's subscription, down the pipeline to the scheduler (blocks while no
+        tokenizer replica is connected)."""
+        await self._to_tokenizer.send(msg)
 
     def replica_lost(self, instance: str) -> int:
         """Retry the requests of a dead tokenizer replica, and the unacknowledged ones."""

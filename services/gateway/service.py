@@ -1,8 +1,9 @@
 """The gateway stage process: bind the sockets, start the HTTP server on uvloop, serve.
 
-Three background tasks feed it: one routes gateway_in messages to their requests, one
-records the heartbeats arriving on the status socket (for /health and the watchdog),
-and one runs the watchdog that retries or fails the requests of a lost stage. The
+Four background tasks feed it: one routes gateway_in messages to their requests, one
+records the heartbeats arriving on the status socket (for /health and the watchdog)
+and the pool snapshots (for /dashboard), one runs the watchdog that retries or fails
+the requests of a lost stage, and one keeps the dashboard's history and subscription. The
 gateway heartbeats through that same socket, so its own entry in /health proves the
 status path works. SIGTERM drains: new requests get a 503, the ones in flight have
 --shutdown-timeout seconds to finish, then the process exits.
@@ -23,6 +24,8 @@ from aiohttp import web
 
 from services.gateway.admission import Admission, api_key_from
 from services.gateway.app import Gateway
+from services.gateway.dashboard import DashboardHub
+from services.gateway.dashboard_http import DashboardRoutes
 from services.gateway.engine_client import EngineClient
 from services.gateway.health import StageTracker
 from services.gateway.metrics import Metrics
@@ -32,7 +35,7 @@ from services.gateway.watchdog import CHECK_INTERVAL_S, StageWatchdog
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
 from shared.curve import CurveKeys, stage_keys
 from shared.heartbeat import HeartbeatThread
-from shared.messages import StatusToGateway
+from shared.messages import PoolSnapshot, StatusToGateway
 from shared.model_files import default_served_name
 from shared.transport import AsyncPullSocket, configure
 
@@ -83,12 +86,15 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
     served = args.served_model_name or default_served_name(args.model)
     gateway = Gateway(client, tracker, metrics, served, {served, args.model}, args.request_timeout, args.model,
                       admission, args.max_request_bytes, args.client_timeout)
-    tasks = [loop.create_task(client.run_reader()), loop.create_task(_read_status(status, tracker, watchdog)),
-             loop.create_task(_watch(watchdog))]
+    hub = DashboardHub(metrics, client.watch_pool)
+    tasks = [loop.create_task(client.run_reader()), loop.create_task(_read_status(status, tracker, watchdog, hub)),
+             loop.create_task(_watch(watchdog)), loop.create_task(hub.run())]
+    app = gateway.make_app()
+    DashboardRoutes(hub, args.client_timeout).add_to(app)
 
     access_log = logging.getLogger("aiohttp.access") if log.isEnabledFor(logging.DEBUG) else None
     runner = web.AppRunner(
-        gateway.make_app(), handler_cancellation=True, access_log=access_log, shutdown_timeout=args.shutdown_timeout,
+        app, handler_cancellation=True, access_log=access_log, shutdown_timeout=args.shutdown_timeout,
         keepalive_timeout=args.client_timeout,  # also bounds the wait for a request's headers (slow clients)
     )
     await runner.setup()
@@ -113,10 +119,14 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
         status.close()  # the heartbeat thread owns its socket: sync_ctx is left to process exit
 
 
-async def _read_status(status: AsyncPullSocket, tracker: StageTracker, watchdog: StageWatchdog) -> None:
+async def _read_status(status: AsyncPullSocket, tracker: StageTracker, watchdog: StageWatchdog,
+                       hub: DashboardHub) -> None:
     while True:
         try:
             beat = await status.recv()
+            if isinstance(beat, PoolSnapshot):
+                hub.record(beat)
+                continue
             tracker.record(beat)
             watchdog.record(beat)
         except asyncio.CancelledError:
