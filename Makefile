@@ -5,7 +5,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= smollm2
 
-.PHONY: install serve test lint bench compose-tool
+.PHONY: install serve test lint bench compose-tool browser-tool
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,8 +31,16 @@ compose-tool:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	   docker-compose) >/dev/null 2>&1; } || echo "docker-compose not installed: the compose test will skip"
 
+# Headless Chromium (Debian's chromium + chromium-driver) runs the dashboard's browser test
+# (tests/e2e/test_dashboard_browser.py); where it cannot be installed that test skips and says why.
+browser-tool:
+	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { command -v apt-get >/dev/null && \
+	  [ "$$(id -u)" = 0 ] && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	   --no-install-recommends chromium chromium-driver) >/dev/null 2>&1; } || \
+	  echo "chromium/chromedriver not installed: the dashboard's browser test will skip"
+
 # pytest exits 5 when it collects no test: that is not a failure of the suite.
-test: install compose-tool
+test: install compose-tool browser-tool
 	$(PY) -m pytest -q -ra tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 lint: install
