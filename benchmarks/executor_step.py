@@ -71,19 +71,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--quantization", default="auto", help="auto, int4 or none (see the executor's --quantization)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kv-blocks", type=int, default=4096)
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops for the last batch")
-    p.add_argument("--compare", nargs="+", metavar="BACKEND:DTYPE", help="configurations to run side by side")
+    p.add_argument("--compare", nargs="+", metavar="BACKEND:DTYPE[:QUANT]",
+                   help="configurations to run side by side (QUANT: auto, int4 or none; default auto)")
     args = p.parse_args(argv)
     if args.compare:
         compare(args)
         return
     runner = ModelRunner(resolve_model(args.model), dtype=args.dtype, num_kv_blocks=args.kv_blocks,
-                         attention_backend=args.backend, max_num_seqs=max(args.batches))
-    print(f"dtype {runner.dtype}, backend {runner.backend.name}, threads {torch.get_num_threads()}")
+                         attention_backend=args.backend, max_num_seqs=max(args.batches),
+                         quantization=args.quantization)
+    print(f"dtype {runner.dtype}, backend {runner.backend.name}, {_int4_label(runner)}, "
+          f"threads {torch.get_num_threads()}")
     print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'forward':>8}")
     for b in args.batches:
         r = time_batch(runner, b, args.context, args.steps)
@@ -95,20 +99,25 @@ def main(argv: list[str] | None = None) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
+def _int4_label(runner: ModelRunner) -> str:
+    rows = max((m.int4.max_rows for m in runner.model.decoder_linears() if m.int4 is not None), default=0)
+    return f"int4<={rows}" if rows else "dense"
+
+
 def compare(args) -> None:
     rows: dict[str, dict[int, float]] = {}
     for config in args.compare:
-        backend, dtype = config.split(":")
+        backend, dtype, quantization = (config.split(":") + ["auto"])[:3]
         runner = ModelRunner(resolve_model(args.model), dtype=dtype, num_kv_blocks=args.kv_blocks,
-                             attention_backend=backend, max_num_seqs=max(args.batches))
-        label = f"{runner.backend.name}:{str(runner.dtype).removeprefix('torch.')} ({config})"
+                             attention_backend=backend, max_num_seqs=max(args.batches), quantization=quantization)
+        label = f"{runner.backend.name}:{str(runner.dtype).removeprefix('torch.')}:{_int4_label(runner)} ({config})"
         rows[label] = {b: time_batch(runner, b, args.context, args.steps)["tok_s"] for b in args.batches}
         print(label, {b: round(v, 1) for b, v in rows[label].items()}, flush=True)
         del runner
     base = next(iter(rows.values()))
-    print(f"\n{'configuration':42}" + "".join(f"{f'B={b} tok/s':>14}{'ratio':>7}" for b in args.batches))
+    print(f"\n{'configuration':56}" + "".join(f"{f'B={b} tok/s':>14}{'ratio':>7}" for b in args.batches))
     for label, by_batch in rows.items():
-        print(f"{label:42}" + "".join(f"{by_batch[b]:>14.1f}{by_batch[b] / base[b]:>7.2f}" for b in args.batches))
+        print(f"{label:56}" + "".join(f"{by_batch[b]:>14.1f}{by_batch[b] / base[b]:>7.2f}" for b in args.batches))
 
 
 if __name__ == "__main__":
