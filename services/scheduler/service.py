@@ -103,6 +103,7 @@ class SchedulerService:
         self.executor_instance: str | None = None
         self.hello_at = 0.0
         self.in_flight: tuple[int, list[ScheduledChunk], float] | None = None  # id, chunks, start
+        self.result_at: float | None = None  # when the last step's result came, while work kept waiting
         self.executor_lost: str | None = None  # why, while the executor does not answer
         self.executor_warm = False  # it answered a step since it announced itself
         self.pending: list[tuple[bytes, TokenizedRequest]] = []  # before the executor is up
@@ -171,6 +172,7 @@ class SchedulerService:
             return  # a step from before an executor restart
         _, chunks, started = self.in_flight
         self.in_flight = None
+        self.result_at = time.perf_counter()
         self.executor_warm = True
         expected_logprobs = sum(1 for c in chunks if c.samples and c.request.params.use_beam_search)
         if isinstance(msg, StepResult) and (len(msg.sampled) != len(chunks)
@@ -186,7 +188,9 @@ class SchedulerService:
         for req, delta in self.scheduler.process_results(chunks, msg.sampled, msg.top_logprobs):
             self._reply(req.reply_to, delta)
         self._report_failures()
-        self.scheduler.record_step_time(chunks, time.perf_counter() - started, msg.forward_s)
+        # from the previous result (or from scheduling, after idling) to this one: the whole
+        # cycle, so the time outside the forward pass includes handling results and scheduling
+        self.scheduler.record_step_time(chunks, self.result_at - started, msg.forward_s)
 
     def _report_failures(self) -> None:
         for req in self.scheduler.take_failed():
@@ -318,8 +322,10 @@ class SchedulerService:
                     else:
                         self.on_step_done(msg)
             self._flush_replies()
+            if self.in_flight is None and not (self.scheduler and self.scheduler.has_work):
+                self.result_at = None  # idle: the wait for new work is not step time
             if self.in_flight is None and self.scheduler and self.executor_lost is None and self.scheduler.has_work:
-                started = time.perf_counter()
+                started = time.perf_counter() if self.result_at is None else self.result_at
                 scheduled = self.scheduler.schedule()
                 self._report_failures()
                 stalled = scheduled is None
