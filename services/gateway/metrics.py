@@ -79,7 +79,7 @@ class Metrics:
         self.decode_steps = Counter("pagedserve_decode_steps_total", "Steps that only decoded", registry=r)
         self.decode_step_seconds = Counter(
             "pagedserve_decode_step_seconds_total",
-            "Wall time of decode-only steps, from scheduling to results applied", registry=r,
+            "Wall time of decode-only steps, from the previous step's result (or scheduling, after idling) to this one's", registry=r,
         )
         self.decode_forward_seconds = Counter(
             "pagedserve_decode_forward_seconds_total",
