@@ -1,9 +1,11 @@
-"""The deployment files: compose.yaml (and its GPU layer) through a real compose
-implementation's `config`, and checked for what the deployment needs; the Dockerfile
-checked against them. tests/e2e/test_topology.py runs the same services as processes."""
+"""The deployment files: compose.yaml (and its GPU layer, and its monitoring profile) through
+a real compose implementation's `config`, and checked for what the deployment needs; the
+Dockerfile checked against them; the Grafana dashboard against the gateway's metrics.
+tests/e2e/test_topology.py runs the same services as processes."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -20,17 +22,20 @@ needs_compose = pytest.mark.skipif(
            "(apt-get install docker-compose)",
 )
 STAGES = {"gateway", "tokenizer", "scheduler", "executor"}
+MONITORING = {"prometheus", "grafana"}
 
 
-def compose_config(*files: str, cwd=ROOT) -> subprocess.CompletedProcess:
+def compose_config(*files: str, cwd=ROOT, profiles: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     args = [COMPOSE]
     for f in files:
         args += ["-f", str(f)]
+    for p in profiles:
+        args += ["--profile", p]
     return subprocess.run(args + ["config"], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-def resolved(*files: str) -> dict:
-    out = compose_config(*files)
+def resolved(*files: str, profiles: tuple[str, ...] = ()) -> dict:
+    out = compose_config(*files, profiles=profiles)
     assert out.returncode == 0, out.stderr
     return yaml.safe_load(out.stdout)
 
@@ -43,7 +48,7 @@ def flags(command: list[str]) -> dict[str, str]:
 @needs_compose
 def test_compose_config_accepts_the_cpu_and_gpu_variants():
     cpu = resolved("compose.yaml")
-    services = cpu["services"]
+    services = {name: svc for name, svc in cpu["services"].items() if not svc.get("profiles")}
     assert set(services) == STAGES
     for name, svc in services.items():
         assert svc["restart"] == "unless-stopped", name
@@ -64,6 +69,62 @@ def test_compose_config_accepts_the_cpu_and_gpu_variants():
     assert flags(gpu["executor"]["command"])["--device"] == "cuda"
     assert gpu["executor"]["build"]["args"]["TORCH_INDEX"].endswith("/cu128")
     assert {gpu[s]["image"] for s in STAGES - {"executor"}} == {"pagedserve:cpu"}
+
+
+@needs_compose
+def test_the_monitoring_profile_runs_prometheus_and_grafana_with_the_dashboard():
+    plain, monitoring = resolved("compose.yaml")["services"], resolved("compose.yaml", profiles=("monitoring",))["services"]
+    assert set(monitoring) == STAGES | MONITORING
+    for name in MONITORING:  # started only with --profile monitoring, on loopback ports
+        assert plain[name]["profiles"] == monitoring[name]["profiles"] == ["monitoring"]
+        assert all(p.startswith("127.0.0.1:") for p in monitoring[name]["ports"]), name
+    assert not any(plain[name].get("profiles") for name in STAGES)
+    prom, grafana = monitoring["prometheus"], monitoring["grafana"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in prom["volumes"] + grafana["volumes"]}
+    for target, source in mounts.items():
+        if source.startswith("/"):  # bind mounts of the repository's files
+            assert (ROOT / source.removeprefix(str(ROOT) + "/")).exists(), (target, source)
+    assert mounts["/etc/prometheus/prometheus.yml"].endswith("deploy/prometheus/prometheus.yml")
+    assert mounts["/etc/grafana/dashboards/pagedserve.json"].endswith("deploy/grafana/pagedserve.json")
+    assert mounts["/etc/grafana/provisioning"].endswith("deploy/grafana/provisioning")
+    assert "/tmp/pagedserve_api_key" in prom["entrypoint"][-1]  # the API key, for a gateway that has one
+
+    scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())["scrape_configs"][0]
+    assert scrape["static_configs"][0]["targets"] == ["gateway:8000"] and scrape["metrics_path"] == "/metrics"
+    assert scrape["authorization"]["credentials_file"] == "/tmp/pagedserve_api_key"
+    provisioning = ROOT / "deploy/grafana/provisioning"
+    (source,) = yaml.safe_load((provisioning / "datasources/prometheus.yml").read_text())["datasources"]
+    assert source["url"] == "http://prometheus:9090" and source["type"] == "prometheus"
+    (provider,) = yaml.safe_load((provisioning / "dashboards/pagedserve.yml").read_text())["providers"]
+    assert provider["options"]["path"] == "/etc/grafana/dashboards"
+    dashboard = json.loads((ROOT / "deploy/grafana/pagedserve.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert all(p["datasource"]["uid"] == source["uid"] for p in panels)
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name the gateway's /metrics can show (labelled ones too, before any sample)."""
+    from services.gateway.metrics import Metrics
+    from services.gateway.supervision import SupervisionState
+
+    names = set()
+    for family in Metrics(SupervisionState("/nonexistent")).registry.collect():
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(family.type, [""])
+        names |= {family.name + s for s in suffixes}
+    return names
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_gateway_exports():
+    dashboard = json.loads((ROOT / "deploy/grafana/pagedserve.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"pagedserve_[a-z0-9_]+", e)}
+    exported = exported_metric_names()
+    assert used - exported == set()
+    # the paged-KV metrics all have a panel
+    assert {"pagedserve_kv_slots", "pagedserve_kv_blocks_cached", "pagedserve_prefix_cache_hits_total",
+            "pagedserve_time_to_first_token_seconds_bucket", "pagedserve_inter_token_latency_seconds_bucket",
+            "pagedserve_num_preemptions_total"} <= used
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
 
 
 @needs_compose
