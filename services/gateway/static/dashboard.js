@@ -414,13 +414,22 @@
   // --- the history charts -----------------------------------------------------------
 
   const CHARTS = {
-    throughput: { series: [["gen_tps", "generated tok/s", "#3ecf6e"], ["prompt_tps", "prompt tok/s", "#5fb3ff"]],
-      now: (p) => `${fmt(p.gen_tps, 1)} tok/s` },
-    ttft: { series: [["ttft_ms", "TTFT ms", "#f0b429"]], now: (p) => (p.ttft_ms === null ? "–" : `${fmt(p.ttft_ms, 1)} ms`) },
-    itl: { series: [["itl_ms", "ITL ms", "#b07cf0"]], now: (p) => (p.itl_ms === null ? "–" : `${fmt(p.itl_ms, 2)} ms`) },
+    // prompt tokens arrive in bursts far above the generation rate: they are only quoted
+    throughput: { series: [["gen_tps", "generated tok/s", "#3ecf6e"]],
+      now: (p) => `${fmt(p.gen_tps, 1)} generated · ${fmt(p.prompt_tps, 0)} prompt tok/s` },
+    ttft: { series: [["ttft_ms", "TTFT ms", "#f0b429"]], now: (p) => latest("ttft_ms", 1) },
+    itl: { series: [["itl_ms", "ITL ms", "#b07cf0"]], now: (p) => latest("itl_ms", 2) },
     requests: { series: [["running", "running", "#3ecf6e"], ["waiting", "waiting", "#f0b429"]], bars: ["preemptions", "#e5534b"],
-      now: (p) => `${fmt(p.running)} run · ${fmt(p.waiting)} wait · ${fmt(p.preemptions_total)} preempt` },
+      now: (p) => `${fmt(p.running)} run · ${fmt(p.waiting)} wait · ${fmt(p.preemptions_total)} preempted` },
   };
+
+  // a latency mean exists only for seconds that had one: quote the latest there was
+  function latest(field, digits) {
+    for (let i = history.length - 1; i >= 0; i--) {
+      if (history[i][field] !== null && history[i][field] !== undefined) return `${fmt(history[i][field], digits)} ms`;
+    }
+    return "–";
+  }
 
   function drawCharts() {
     const now = Date.now() / 1000;
