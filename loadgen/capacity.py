@@ -4,10 +4,17 @@ Each probe is a short open-loop run of the same seeded trace at one rate (the ar
 times scale with 1/rate, so probes differ only in rate). The rate doubles from
 `start_rate` until a probe fails, then bisects (geometrically) between the highest
 passing and the lowest failing rate until they are within `tolerance`, or the probe
-count or time budget runs out. A probe fails when any request fails or any limit of the
-SLO is exceeded. The SLO limits aggregate statistics: `normalized=0.1` bounds the mean
-normalized latency (the paper's criterion), `ttft=1,tpot=0.05` the p99 TTFT and TPOT;
-a `STAT_` prefix (mean, median, p90, p99) picks another statistic, e.g. `p90_e2e=5`.
+count or time budget runs out. The SLO limits aggregate statistics: `normalized=0.1`
+bounds the mean normalized latency (the paper's criterion), `ttft=1,tpot=0.05` the p99
+TTFT and TPOT; a `STAT_` prefix (mean, median, p90, p99) picks another statistic, e.g.
+`p90_e2e=5`.
+
+A probe is judged in steady state only (`probe_summary`, steady.py): it must last long
+enough for the queue to settle or grow (the command sizes it: `--probe-seconds` of
+arrivals and at least `--probe-min-requests`), its warm-up share is dropped, and the SLO
+statistics cover the rest. It fails when any request fails, when its queue keeps growing
+(even if every latency is within the SLO so far: a burst is not a capacity), or when
+any limit of the SLO is exceeded.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loadgen.metrics import parse_seconds
+from loadgen import steady
+from loadgen.metrics import RequestResult, parse_seconds, summarize
 
 STATS = ("mean", "median", "p90", "p99")
 METRICS = {"ttft": "ttft_s", "tpot": "tpot_s", "itl": "itl_s", "e2e": "e2e_s", "normalized": "normalized_latency_s"}
@@ -48,6 +56,9 @@ class CapacitySlo:
         total = summary["completed"] + summary["failed"]
         if total == 0 or summary["failed"] > max_failed_frac * total:
             out.append(f"{summary['failed']} of {total} requests failed")
+        state = summary.get("steady_state")
+        if state is not None and not state["settled"]:
+            out.append(state["reason"])
         for stat, metric, limit in self.limits:
             value = summary[METRICS[metric]][stat]
             if value is None or value > limit:
@@ -56,6 +67,18 @@ class CapacitySlo:
 
     def describe(self) -> str:
         return ", ".join(f"{stat} {metric} <= {limit:g}s" for stat, metric, limit in self.limits)
+
+
+def probe_summary(results: list[RequestResult], duration_s: float, warmup_frac: float = 0.25,
+                  max_backlog: float = 0.05) -> dict:
+    """The summary of an open-loop probe's steady part, with its `steady_state` verdict."""
+    verdict = steady.open_loop(results, duration_s, warmup_frac=warmup_frac, max_backlog=max_backlog)
+    warmup = [r for r in results if r.start < verdict.warmup_s]
+    # Latencies from the steady part only; a request that failed during the warm-up still fails the probe.
+    summary = summarize(verdict.measured + [r for r in warmup if not r.ok], duration_s - verdict.warmup_s)
+    summary["steady_state"] = verdict.to_dict()
+    summary["warmup_requests"] = len(warmup)
+    return summary
 
 
 def search(probe: Callable[[float], dict], slo: CapacitySlo, *, start_rate: float = 1.0, max_rate: float = 1000.0,

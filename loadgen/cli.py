@@ -82,8 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rate", type=float, default=1000.0)
     p.add_argument("--tolerance", type=float, default=0.1, help="stop when failing/passing rate <= 1 + this")
     p.add_argument("--max-probes", type=int, default=12)
-    p.add_argument("--time-budget", type=float, default=600.0, help="seconds for all probes of one target")
+    p.add_argument("--time-budget", type=float, default=1800.0, help="seconds for all probes of one target")
     p.add_argument("--max-failed-frac", type=float, default=0.0, help="failed requests a passing probe may have")
+    p.add_argument("--probe-seconds", type=float, default=60.0,
+                   help="seconds of arrivals per probe: long enough for the queue to settle or grow")
+    p.add_argument("--probe-min-requests", type=int, default=100, help="requests per probe at least")
+    p.add_argument("--warmup-frac", type=float, default=0.25,
+                   help="share of a probe's arrival window not judged (the queue filling from empty)")
+    p.add_argument("--max-backlog", type=float, default=0.05,
+                   help="a probe fails when its queue grows by more than this share of its arrivals")
     p.add_argument("--out", default="out/loadgen/capacity.json")
 
     p = sub.add_parser("sweep", help="latency against request rate for each target, one PNG")

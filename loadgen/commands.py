@@ -21,7 +21,7 @@ from loadgen.metrics import Slo, summarize
 from loadgen.targets import Target, parse_target
 from loadgen.tokenizer import Tokenizer, load_tokenizer
 
-DEFAULT_PROBE_REQUESTS = 50
+PROBE_SIZE_ARGS = ("num_requests", "duration")
 
 
 def _log(message: str) -> None:
@@ -107,34 +107,53 @@ def run(args) -> int:
     return 0
 
 
-def capacity(args) -> int:
-    from loadgen.capacity import CapacitySlo, search
+class _Replay:
+    """The measured trace, drawn once and replayed from its start; grows as a probe needs more."""
 
+    def __init__(self, requests: Iterator) -> None:
+        self._source, self._drawn = requests, []
+
+    def first(self, n: int) -> list:
+        self._drawn += itertools.islice(self._source, max(0, n - len(self._drawn)))
+        return self._drawn[:n]
+
+
+def capacity(args) -> int:
+    from loadgen.capacity import CapacitySlo, probe_summary, search
+
+    given = [f"--{a.replace('_', '-')}" for a in PROBE_SIZE_ARGS if getattr(args, a) is not None]
+    if given:
+        raise ValueError(f"capacity sizes each probe itself (--probe-seconds, --probe-min-requests), "
+                         f"not with {' '.join(given)}")
     slo = CapacitySlo.parse(args.slo)
     spec = _spec(args)
-    num = args.num_requests or (None if args.duration else DEFAULT_PROBE_REQUESTS)
-    # A probe never outlasts the time budget: what it leaves in flight then fails it.
-    config = _config(args, request_rate=args.start_rate, num_requests=num, deadline=args.max_time or args.time_budget)
-    config.check()
     tokenizer = load_tokenizer(args.tokenizer)
-    out = {"slo": slo.describe(), "workload": asdict(spec), "targets": {}}
+    trace = _Replay(workload(spec, tokenizer))
+    warmup = list(itertools.islice(workload(spec, tokenizer, "warmup"), args.warmup))
+    sizing = (f"{args.probe_seconds:g} s of arrivals and at least {args.probe_min_requests} requests per probe, "
+              f"the first {100 * args.warmup_frac:g}% not judged")
+    out = {"slo": slo.describe(), "workload": asdict(spec), "probe": sizing, "targets": {}}
     with contextlib.ExitStack() as stack:
         targets = _targets(args, stack)
-        trace, warmup = _trace(args, spec, tokenizer, num)
         for target in targets:
             def probe(rate: float, target=target) -> dict:
-                record = _run_one(target, trace, warmup, spec, replace(config, request_rate=rate), tokenizer, None)
-                record.pop("requests")
-                return record
+                n = max(args.probe_min_requests, math.ceil(rate * args.probe_seconds))
+                # The whole probe is bounded: what is still in flight at the deadline fails it.
+                deadline = args.max_time or 2 * n / rate + 60
+                config = _config(args, request_rate=rate, num_requests=n, duration=None, deadline=deadline)
+                outcome = runner.run(target, trace.first(n), config, warmup, tokenizer)
+                summary = probe_summary(outcome.results, outcome.duration_s, args.warmup_frac, args.max_backlog)
+                summary["requests_sent"] = n
+                return summary
 
-            _log(f"capacity of {target.name} under {slo.describe()}")
+            _log(f"capacity of {target.name} under {slo.describe()}; {sizing}")
             out["targets"][target.name] = search(
                 probe, slo, start_rate=args.start_rate, max_rate=args.max_rate, tolerance=args.tolerance,
                 max_probes=args.max_probes, time_budget=args.time_budget, max_failed_frac=args.max_failed_frac,
                 log=_log)
     rows = [[name, r["capacity"], r["lowest_failing_rate"], len(r["probes"]), r["stopped"]]
             for name, r in out["targets"].items()]
-    print(f"capacity under {slo.describe()} ({spec.dataset}, {num or 'duration-bounded'} requests per probe)")
+    print(f"capacity under {slo.describe()} ({spec.dataset}; {sizing})")
     print(report.markdown_table(["target", "capacity (req/s)", "lowest failing", "probes", "stopped"], rows))
     _log(f"wrote {report.write_json(args.out, out)}")
     return 0

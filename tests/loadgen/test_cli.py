@@ -80,10 +80,23 @@ def test_sweep_writes_curves(tmp_path):
 
 def test_capacity_command(tmp_path, capsys):
     with FakeServer(FakeConfig(ttft=0.01, itl=0.002)) as server:
-        rc = main(["capacity", "--target", f"fake={server.url}", *WORKLOAD, "--slo", "e2e=5", "--num-requests", "5",
-                   "--start-rate", "50", "--max-rate", "100", "--out", str(tmp_path / "cap.json")])
+        rc = main(["capacity", "--target", f"fake={server.url}", *WORKLOAD, "--slo", "e2e=5", "--probe-seconds",
+                   "1", "--probe-min-requests", "16", "--start-rate", "10", "--max-rate", "20",
+                   "--out", str(tmp_path / "cap.json")])
+        # Per probe: 1 length-control request, 1 warm-up and max(16, 1 s x rate) measured requests.
+        assert len(server.bodies) == (2 + 16) + (2 + 20)
     assert rc == 0
     data = json.loads((tmp_path / "cap.json").read_text())
-    assert data["targets"]["fake"]["capacity"] == 100.0
-    assert data["targets"]["fake"]["stopped"] == "max rate passed"
+    fake = data["targets"]["fake"]
+    assert fake["capacity"] == 20.0 and fake["stopped"] == "max rate passed"
+    probes = [p["summary"] for p in fake["probes"]]
+    assert [p["requests_sent"] for p in probes] == [16, 20]
+    for p in probes:  # the first quarter of each probe is its warm-up, the rest is judged
+        assert p["steady_state"]["settled"] and p["completed"] + p["warmup_requests"] == p["requests_sent"]
+        assert p["warmup_requests"] >= 3
     assert "| fake   |" in capsys.readouterr().out
+
+
+def test_capacity_refuses_a_fixed_probe_size(capsys):
+    rc = main(["capacity", "--target", "a=http://127.0.0.1:9", *WORKLOAD, "--slo", "e2e=5", "--num-requests", "10"])
+    assert rc == 2 and "sizes each probe itself" in capsys.readouterr().err
