@@ -9,7 +9,8 @@ preemptions, running and waiting requests.
 While at least one page watches (`watching()`), `run()` sends a `WatchPool`
 subscription down the pipeline every RENEW_S, at once when the first page opens; the
 scheduler lets it lapse TTL_S after the last renewal, so with no page open no snapshot
-is built or sent. Pages wait on `next_change()`.
+is built or sent. Pages wait on `next_change()`. `close()` (the gateway is draining)
+ends every page's stream, so an open dashboard never holds up a shutdown.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class DashboardHub:
         self._wake = asyncio.Event()  # the first page opened: subscribe now
         self._last: dict[str, float] | None = None
         self._last_at = 0.0
+        self.closed = False
 
     # --- what the scheduler sends --------------------------------------------------
 
@@ -94,6 +96,11 @@ class DashboardHub:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
         return self.version
+
+    def close(self) -> None:
+        """Streams end at their next turn (now: this wakes them)."""
+        self.closed = True
+        self._bump()
 
     # --- pages ----------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ header: a "hello" event (block state names, the history so far), then an "update
 event whenever something changed, at most every MIN_UPDATE_S: the engines' latest
 snapshots that changed since the last event, the engines gone, and the new history
 points. A comment line keeps an idle stream open. A page that stops reading is cut off
-after the client timeout, like any stream. The page closes its stream while hidden,
+after the client timeout, like any stream; every stream ends when the gateway drains. The page closes its stream while hidden,
 so a background tab costs nothing.
 """
 
@@ -80,8 +80,10 @@ class DashboardRoutes:
                 sent: dict[str, bytes] = {}
                 newest = hub.history[-1]["t"] if hub.history else 0.0
                 version = -1
-                while True:
+                while not hub.closed:
                     version = await hub.next_change(version, KEEPALIVE_S)
+                    if hub.closed:
+                        break
                     engines = hub.live_engines()
                     changed = [data for key, data in engines.items() if sent.get(key) is not data]
                     gone = [key for key in sent if key not in engines]
@@ -96,6 +98,7 @@ class DashboardRoutes:
                             + b',"points":' + json.dumps(fresh).encode() + b"}")
                     await write(_event("update", body))
                     await asyncio.sleep(MIN_UPDATE_S)
+                await asyncio.wait_for(resp.write_eof(), self.client_timeout_s)
             except (ConnectionResetError, asyncio.TimeoutError):
                 if request.transport is not None:
                     request.transport.abort()

@@ -108,6 +108,7 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
     try:
         await stop.wait()
         admission.draining = True
+        hub.close()  # open dashboards end their streams instead of holding up the drain
         log.info("draining: %d requests in flight get up to %g s", client.num_in_flight, args.shutdown_timeout)
     finally:
         await runner.cleanup()  # stops listening, waits for the handlers up to shutdown_timeout
