@@ -3,7 +3,7 @@
 Topology (who binds, who connects) is fixed so that any stage can restart or scale:
 the gateway and the scheduler bind; tokenizer replicas and the executor connect.
 
-    gateway  --PUSH tokenizer_in-->  tokenizer(s)      (round-robin over replicas)
+    gateway  -ROUTER/DEALER tokenizer_in-> tokenizer(s) (to a live replica, by name)
     tokenizer --PUSH gateway_in-->   gateway
     tokenizer <-DEALER/ROUTER scheduler_in-> scheduler (replies routed to the replica)
     scheduler --PUSH executor_in-->  executor

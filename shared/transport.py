@@ -201,15 +201,17 @@ class PullSocket(_Typed[T]):
                 out.append(msg)
 
 
+# HANDOVER: a peer that restarts under the same identity takes its name back at once.
+_ROUTER_OPTS = {zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1}
+
+
 class RouterSocket(_Typed[T]):
     """Bound end of a two-way channel with many peers; replies go to a named peer."""
 
     def __init__(
         self, ctx: zmq.Context, address: str, recv_type: type[T], send_type: type, *, bind: bool = True
     ):
-        # HANDOVER: a peer that restarts under the same identity takes its name back at once.
-        opts = {zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1}
-        super().__init__(ctx, zmq.ROUTER, address, recv_type, bind=bind, opts=opts)
+        super().__init__(ctx, zmq.ROUTER, address, recv_type, bind=bind, opts=_ROUTER_OPTS)
         self._unreachable: set[bytes] = set()  # warned about once, until they answer again
 
     def send(self, peer: bytes, msg) -> bool:
@@ -267,8 +269,26 @@ class DealerSocket(_Typed[T]):
     def send(self, msg) -> None:
         self.sock.send(_encoder.encode(msg), copy=False)
 
+    def recv(self, timeout_ms: int | None = None) -> T | None:
+        return PullSocket.recv(self, timeout_ms)  # type: ignore[arg-type]
+
     def recv_nowait(self) -> list[T]:
         return PullSocket.recv_nowait(self)  # type: ignore[arg-type]
+
+
+class AsyncRouterSocket(RouterSocket):
+    """A RouterSocket on an asyncio context, for sending to named peers only: its sends
+    never wait (a full or missing peer is reported), so it needs no awaiting."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, send_type: type, *, bind: bool = True):
+        self.address = address
+        self._owner = _open(ctx, zmq.ROUTER, address, bind, _ROUTER_OPTS)  # the context closes it
+        self.sock = zmq.Socket.shadow(self._owner.underlying)  # plain calls on the same socket
+        self.decoder = FrameDecoder(send_type, address)
+        self._unreachable: set[bytes] = set()
+
+    def close(self) -> None:
+        self._owner.close(linger=0)
 
 
 class AsyncPushSocket(Generic[T]):

@@ -46,7 +46,7 @@ async def with_reader(client: EngineClient, body):
 
 def test_leaving_after_the_first_of_two_choices_finished_aborts_the_request(sockets):
     ctx, sync, addrs = sockets
-    client = EngineClient(ctx, addrs)
+    client = EngineClient(ctx, addrs, replicas=lambda: ["t"])
     tok = FakeTokenizer(sync, addrs, "t")
 
     async def body():
@@ -64,7 +64,7 @@ def test_leaving_after_the_first_of_two_choices_finished_aborts_the_request(sock
 
 def test_a_lost_scheduler_still_ends_a_request_whose_first_choice_finished(sockets):
     ctx, sync, addrs = sockets
-    client = EngineClient(ctx, addrs)
+    client = EngineClient(ctx, addrs, replicas=lambda: ["t"])
     tok = FakeTokenizer(sync, addrs, "t")
 
     async def body():
@@ -83,7 +83,7 @@ def test_a_lost_scheduler_still_ends_a_request_whose_first_choice_finished(socke
 
 def test_a_request_is_done_only_when_every_choice_finished(sockets):
     ctx, sync, addrs = sockets
-    client = EngineClient(ctx, addrs)
+    client = EngineClient(ctx, addrs, replicas=lambda: ["t"])
     tok = FakeTokenizer(sync, addrs, "t")
 
     async def body():
@@ -106,7 +106,7 @@ def test_a_request_is_done_only_when_every_choice_finished(sockets):
 
 def test_a_request_whose_reader_falls_behind_is_aborted_and_its_buffer_bounded(sockets):
     ctx, sync, addrs = sockets
-    client = EngineClient(ctx, addrs, max_buffered=8)
+    client = EngineClient(ctx, addrs, replicas=lambda: ["t"], max_buffered=8)
     tok = FakeTokenizer(sync, addrs, "t")
 
     async def body():

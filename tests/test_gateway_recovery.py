@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from services.gateway.admission import Admission, api_key_from
-from services.gateway.engine_client import EngineClient, EngineError
+from services.gateway.engine_client import EngineClient, EngineError, RequestTimeout
 from services.gateway.replay import Replay, ReplayDiverged
 from services.gateway.watchdog import StageWatchdog
 from shared.config import Addresses
@@ -25,7 +25,7 @@ from shared.messages import (
     TextDelta,
     TokenizerToGateway,
 )
-from shared.transport import PullSocket, PushSocket
+from shared.transport import DealerSocket, PushSocket
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
 
@@ -183,7 +183,7 @@ class FakeTokenizer:
     """Plays a tokenizer replica with the test's own sockets: takes requests, answers."""
 
     def __init__(self, ctx, addrs, instance):
-        self.inbox = PullSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, bind=False)
+        self.inbox = DealerSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, identity=instance)
         self.out = PushSocket(ctx, addrs.gateway_in, TokenizerToGateway, bind=False)
         self.instance = instance
         self.received: list = []
@@ -214,7 +214,7 @@ def test_a_lost_replicas_stream_is_resent_and_resumes_without_repeating(tmp_path
         ctx, sync = contexts
         addrs = Addresses.ipc(str(tmp_path))
         retries = []
-        client = EngineClient(ctx, addrs, on_retry=lambda: retries.append(1))
+        client = EngineClient(ctx, addrs, on_retry=lambda: retries.append(1), replicas=lambda: ["dead"])
         reader = asyncio.get_running_loop().create_task(client.run_reader())
         tok = FakeTokenizer(sync, addrs, "dead")
         req = GenerateRequest("cmpl-1", GREEDY, prompt="hi")
@@ -245,7 +245,7 @@ def test_scheduler_loss_ends_every_request_with_503(tmp_path, contexts):
     async def go():
         ctx, sync = contexts
         addrs = Addresses.ipc(str(tmp_path))
-        client = EngineClient(ctx, addrs)
+        client = EngineClient(ctx, addrs, replicas=lambda: ["t"])
         tok = FakeTokenizer(sync, addrs, "t")
         async with client.open(GenerateRequest("cmpl-2", GREEDY, prompt="hi"), 10) as stream:
             await tok.take()
@@ -255,5 +255,57 @@ def test_scheduler_loss_ends_every_request_with_503(tmp_path, contexts):
                 await stream.next()
             assert info.value.err.status == 503 and info.value.err.message == "gone"
         assert (await tok.take(AbortRequest)).request_id == "cmpl-2"  # the tokenizer forgets it
+
+    asyncio.run(go())
+
+
+# --- hung replicas: found out, routed around; aborts to the owner --------------------------
+
+
+def test_a_stuck_or_silent_tokenizer_is_no_longer_live():
+    dog, clock, lost = make_watchdog()
+    t0, t1, sched = beat("tokenizer", "t0", "A"), beat("tokenizer", "t1", "B"), beat("scheduler", "s", "S")
+    dog.record(beat("tokenizer", "t2", "L", state="loading tokenizer"))
+    for b in (t0, t1, sched):
+        dog.record(b)
+    assert dog.live_tokenizers() == ["t0", "t1"]  # a loading replica takes nothing yet
+    dog.record(beat("tokenizer", "t0", "A", state="stuck: no progress for 5 s"))  # its loop hangs
+    assert lost["tokenizer"] == ["A"] and dog.live_tokenizers() == ["t1"]
+    dog.record(beat("tokenizer", "t0", "A", state="stuck: no progress for 6 s"))
+    assert lost["tokenizer"] == ["A"]  # lost once
+    tick(dog, clock, 3.5, keep=(sched, beat("tokenizer", "t2", "L", state="loading tokenizer")))
+    assert lost["tokenizer"] == ["A", "B"] and dog.live_tokenizers() == []  # t1 silent (SIGSTOP)
+    dog.record(t1)  # thawed: beats again, takes work again
+    assert dog.live_tokenizers() == ["t1"]
+
+
+def test_requests_go_only_to_live_replicas_and_aborts_to_their_owner(tmp_path, contexts):
+    async def go():
+        ctx, sync = contexts
+        addrs = Addresses.ipc(str(tmp_path))
+        live = ["a", "b"]
+        client = EngineClient(ctx, addrs, replicas=lambda: list(live))
+        a, b = FakeTokenizer(sync, addrs, "a"), FakeTokenizer(sync, addrs, "b")
+        await asyncio.sleep(0.3)  # both connected (a replica not yet connected is skipped)
+        owners = {}
+        for i in range(4):  # round robin over both
+            async with client.open(GenerateRequest(f"r{i}", GREEDY, prompt="hi"), 10) as stream:
+                owners[stream.request_id] = stream.sent_to
+            # left before the end: the abort goes to the replica that has the request
+            owner, other = (a, b) if stream.sent_to == "a" else (b, a)
+            assert (await owner.take()).request_id == f"r{i}"
+            assert (await owner.take(AbortRequest)).request_id == f"r{i}"
+            assert not [m for m in other.inbox.recv_nowait() if isinstance(m, AbortRequest)]
+        assert sorted(owners.values()) == ["a", "a", "b", "b"]
+        live.remove("a")  # a hangs: nothing more goes to it
+        for i in range(3):
+            async with client.open(GenerateRequest(f"s{i}", GREEDY, prompt="hi"), 10) as stream:
+                assert stream.sent_to == "b"
+                await b.take()
+        assert [m for m in a.inbox.recv_nowait() if isinstance(m, GenerateRequest)] == []
+        live.clear()  # none left: a request waits for one, within its deadline
+        with pytest.raises(RequestTimeout):
+            async with client.open(GenerateRequest("late", GREEDY, prompt="hi"), 0.3):
+                pass
 
     asyncio.run(go())

@@ -8,6 +8,9 @@ stages free what they hold for it; with n > 1 choices, the last message is the o
 finishes the last choice. A queue holds at most `max_buffered` messages: a handler that
 falls that far behind (its client stopped reading) has its request aborted at once.
 
+Routing (`routing.TokenizerRouter`): each request goes to a live tokenizer replica the
+gateway picks, its aborts to that same replica (or, when it is lost, through another).
+
 Recovery: a tokenizer replica acknowledges each request it takes (RequestAccepted, with
 its instance id). When the watchdog finds a replica dead, its requests, and those no
 replica has acknowledged yet, are sent again under a new pipeline id (the old one is
@@ -22,9 +25,11 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 import zmq.asyncio
 
 from services.gateway.replay import Replay, ReplayDiverged
+from services.gateway.routing import TokenizerRouter
 from shared.config import Addresses
 from shared.messages import (
     AbortRequest,
@@ -36,11 +41,10 @@ from shared.messages import (
     TokenizerToGateway,
     WatchPool,
 )
-from shared.transport import AsyncPullSocket, AsyncPushSocket
+from shared.transport import AsyncPullSocket, AsyncRouterSocket
 
 log = logging.getLogger(__name__)
 
-ABORT_SEND_TIMEOUT_S = 5.0
 MAX_ATTEMPTS = 3  # a request is sent at most this many times
 DEFAULT_MAX_BUFFERED = 1024  # messages waiting for one request's handler
 
@@ -76,13 +80,13 @@ def unavailable(request_id: str, message: str) -> RequestError:
 
 
 class EngineClient:
-    def __init__(self, ctx: zmq.asyncio.Context, addrs: Addresses, on_retry: Callable[[], None] = lambda: None,
-                 max_buffered: int = DEFAULT_MAX_BUFFERED):
+    def __init__(self, ctx: zmq.asyncio.Context, addrs: Addresses, *, replicas: Callable[[], list[str]],
+                 on_retry: Callable[[], None] = lambda: None, max_buffered: int = DEFAULT_MAX_BUFFERED):
+        """replicas: the names of the live tokenizer replicas, asked before each send."""
         self.max_buffered = max_buffered
-        self._to_tokenizer = AsyncPushSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, bind=True)
+        self._to_tokenizer = TokenizerRouter(AsyncRouterSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer), replicas)
         self._from_tokenizer = AsyncPullSocket(ctx, addrs.gateway_in, TokenizerToGateway, bind=True)
         self._streams: dict[str, RequestStream] = {}  # by pipeline id
-        self._aborts: set[asyncio.Task] = set()
         self.on_retry = on_retry
 
     @property
@@ -117,7 +121,7 @@ class EngineClient:
     def _overflow(self, stream: RequestStream) -> None:
         log.warning("%s: the client does not read fast enough; aborting it", stream.request_id)
         self._streams.pop(stream.pipeline_id, None)
-        self.abort(stream.pipeline_id)
+        self.abort(stream.pipeline_id, stream.sent_to)
         stream.done = True  # aborted here: nothing left to abort on exit
         stream.queue.put_nowait(RequestError(
             stream.request_id, 408, "The client did not read the response fast enough; the request was aborted.",
@@ -126,12 +130,11 @@ class EngineClient:
     def open(self, request: GenerateRequest, timeout_s: float) -> RequestStream:
         return RequestStream(self, request, time.monotonic() + timeout_s)
 
-    def abort(self, request_id: str) -> None:
-        """Fire and forget: must work from a handler that is being cancelled."""
-        send = self._to_tokenizer.send(AbortRequest(request_id))
-        task = asyncio.get_running_loop().create_task(asyncio.wait_for(send, ABORT_SEND_TIMEOUT_S))
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
+    def abort(self, request_id: str, replica: str | None = None) -> None:
+        """To the replica that has the request (else any live one); never waits, so it
+        works from a handler that is being cancelled."""
+        if self._to_tokenizer.send_nowait(AbortRequest(request_id), prefer=replica) is None:
+            log.warning("%s: no tokenizer replica could take its abort", request_id)
 
     async def watch_pool(self, msg: WatchPool) -> None:
         """A dashboard's subscription, down the pipeline to the scheduler (blocks while no
@@ -168,6 +171,7 @@ class RequestStream:
         self.attempt = 0
         self.queue: asyncio.Queue = asyncio.Queue()
         self.owner: str | None = None  # instance of the tokenizer replica that took it
+        self.sent_to: str | None = None  # the name of the replica it was sent to
         self.sent = False
         self.started = False  # a token came back
         self.done = False  # the last message arrived: nothing to abort
@@ -187,16 +191,15 @@ class RequestStream:
     async def __aexit__(self, *exc) -> None:
         self._client._streams.pop(self.pipeline_id, None)
         if not self.done:
-            self._client.abort(self.pipeline_id)
+            self._client.abort(self.pipeline_id, self.sent_to)
 
     async def _send(self) -> None:
         request = self._request
         if self.attempt:
-            request = GenerateRequest(self.pipeline_id, request.params, request.prompt,
-                                      request.prompt_token_ids, request.messages)
+            request = msgspec.structs.replace(request, request_id=self.pipeline_id)
         try:
-            # Blocks while no tokenizer replica is connected; the deadline still holds.
-            await asyncio.wait_for(self._client._to_tokenizer.send(request), self._remaining())
+            # Waits while no tokenizer replica can take it; the deadline still holds.
+            self.sent_to = await asyncio.wait_for(self._client._to_tokenizer.send(request), self._remaining())
         except asyncio.TimeoutError as exc:
             raise RequestTimeout from exc
         self.sent = True
@@ -250,7 +253,7 @@ class RequestStream:
                 f"cannot be restarted: {why}. Please retry."))
         log.warning("%s: tokenizer replica %s lost; sending the request again", self.request_id, self.owner)
         self._client._streams.pop(self.pipeline_id, None)
-        self._client.abort(self.pipeline_id)
+        self._client.abort(self.pipeline_id, self.sent_to)
         self.attempt += 1
         self.pipeline_id = f"{self.request_id}-retry{self.attempt}"
         self.queue = asyncio.Queue()

@@ -71,7 +71,7 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
     ctx = configure(zmq.asyncio.Context(), keys)
     supervision = SupervisionState.from_env()
     metrics = Metrics(supervision)
-    client = EngineClient(ctx, addrs, on_retry=metrics.retries.inc)
+    client = EngineClient(ctx, addrs, on_retry=metrics.retries.inc, replicas=lambda: watchdog.live_tokenizers())
     status = AsyncPullSocket(ctx, addrs.status, StatusToGateway, bind=True)
     tracker = StageTracker(metrics.observe_scheduler, supervision=supervision)
 

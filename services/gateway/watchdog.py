@@ -1,7 +1,9 @@
 """Turns the stages' heartbeats into recovery: which tokenizer replica and which scheduler died.
 
 A stage instance is lost when it sends no heartbeat for LOST_AFTER_S, or at once when a
-new instance shows up under the same name (a restart faster than that). A lost
+new instance shows up under the same name (a restart faster than that); a tokenizer
+replica also when it says it is stuck (its loop made no progress, though its heartbeat
+thread still beats). New requests go only to `live_tokenizers`. A lost
 tokenizer replica's requests are retried on the others; a lost scheduler took every
 request in flight with it, so they all end with a 503, and new requests get a 503
 until a scheduler beats again. The executor needs nothing here: the scheduler
@@ -40,6 +42,7 @@ class StageWatchdog:
         self.lost_after_s = lost_after_s
         self._clock = clock
         self._tokenizers: dict[str, float] = {}  # instance -> last beat
+        self._tokenizer_ready: dict[str, bool] = {}  # instance -> its last beat said ready
         self._tokenizer_names: dict[str, str] = {}  # replica name -> instance
         self._scheduler: str | None = None  # instance
         self._scheduler_seen = 0.0
@@ -64,6 +67,11 @@ class StageWatchdog:
             return "executor"
         return None
 
+    def live_tokenizers(self) -> list[str]:
+        """The names of the tokenizer replicas that beat lately and are ready."""
+        return [name for name, instance in self._tokenizer_names.items()
+                if instance in self._tokenizers and self._tokenizer_ready.get(instance)]
+
     def record(self, beat: Heartbeat) -> None:
         now = self._clock()
         if beat.stage == "executor":
@@ -75,7 +83,12 @@ class StageWatchdog:
             if old is not None and old != beat.instance:
                 self._tokenizer_lost(old, "restarted")
             self._tokenizer_names[beat.replica] = beat.instance
+            if beat.state.startswith("stuck"):
+                if beat.instance in self._tokenizers:
+                    self._tokenizer_lost(beat.instance, beat.state)
+                return
             self._tokenizers[beat.instance] = now
+            self._tokenizer_ready[beat.instance] = beat.state == "ready"
         elif beat.stage == "scheduler":
             self._executor_lost = beat.state.startswith("executor lost")
             if self._scheduler is not None and beat.instance != self._scheduler and not self._scheduler_down:
@@ -102,6 +115,7 @@ class StageWatchdog:
 
     def _tokenizer_lost(self, instance: str, why: str) -> None:
         self._tokenizers.pop(instance, None)
+        self._tokenizer_ready.pop(instance, None)
         n = self._on_tokenizer_lost(instance)
         log.warning("tokenizer instance %s lost (%s): retrying %d requests", instance, why, n)
 

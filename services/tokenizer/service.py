@@ -1,8 +1,11 @@
 """The tokenizer stage process: load the tokenizer, connect the sockets, run the loop.
 
-Requests arrive round-robin from the gateway on tokenizer_in. This replica talks to
-the scheduler through a DEALER named after itself, so the scheduler's replies for the
-requests it forwarded come back to it. Scheduler messages are served first: they carry
+Requests arrive from the gateway on tokenizer_in, through a DEALER named after this
+replica (the gateway routes each request, and its abort, to a replica by name). It talks
+to the scheduler through another DEALER of that name, so the scheduler's replies for
+the requests it forwarded come back to it. Its heartbeat says "stuck" when the loop has
+made no turn for STUCK_AFTER_S (a hung tokenizer call, say): the gateway then routes
+around it and replays its requests elsewhere. Scheduler messages are served first: they carry
 tokens users are waiting for, while a new prompt can wait a moment. Each new request is
 acknowledged to the gateway with this process's instance id, so that the gateway can
 retry the requests of a replica that dies.
@@ -16,6 +19,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import zmq
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -33,11 +37,12 @@ from shared.messages import (
     TokenizerToGateway,
 )
 from shared.model_files import resolve_model
-from shared.transport import DealerSocket, PullSocket, PushSocket, configure, wait_readable
+from shared.transport import DealerSocket, PushSocket, configure, wait_readable
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
+STUCK_AFTER_S = 5.0  # a loop turn takes at most POLL_MS when idle
 GATEWAY_BATCH = 8  # new requests taken per turn before looking at the scheduler again
 
 
@@ -86,7 +91,13 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
 
     ctx = configure(zmq.Context(), stage_keys(args, addrs))
-    heartbeat = HeartbeatThread(ctx, addrs.status, "tokenizer", replica, lambda: state)
+    progress = _Progress()
+
+    def health() -> str:
+        stalled = progress.stalled_s()
+        return state if state != "ready" or stalled < STUCK_AFTER_S else f"stuck: no progress for {stalled:.0f} s"
+
+    heartbeat = HeartbeatThread(ctx, addrs.status, "tokenizer", replica, health)
     heartbeat.start()
     to_gateway = PushSocket(ctx, addrs.gateway_in, TokenizerToGateway, bind=False)
     scheduler = DealerSocket(ctx, addrs.scheduler_in, SchedulerToTokenizer, identity=replica)
@@ -95,14 +106,15 @@ def run(args: argparse.Namespace) -> int:
         tokenizer, prompts, eos = load_model(args.model, args.max_model_len)
         stage = TokenizerStage(tokenizer, prompts, eos, to_gateway.send, scheduler.send)
         # Connected only now: the gateway deals requests to every connected replica.
-        from_gateway = PullSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, bind=False)
+        from_gateway = DealerSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, identity=replica)
         log.info("%s ready: max_model_len=%d eos=%s", replica, prompts.max_model_len, eos)
         state = "ready"
 
         def accepted(request_id: str) -> None:
             to_gateway.send(RequestAccepted(request_id, replica, INSTANCE_ID))
 
-        _serve(stage, from_gateway, scheduler, stop, accepted)
+        progress.turned()
+        _serve(stage, from_gateway, scheduler, stop, accepted, progress)
     finally:
         heartbeat.stop()  # a daemon thread: it owns its socket, so the context is left to exit
         for sock in (from_gateway, to_gateway, scheduler):
@@ -111,8 +123,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(stage: TokenizerStage, from_gateway: PullSocket, scheduler: DealerSocket, stop, accepted) -> None:
+class _Progress:
+    """When the loop last turned; read by the heartbeat thread."""
+
+    def __init__(self):
+        self.at = time.monotonic()
+
+    def turned(self) -> None:
+        self.at = time.monotonic()
+
+    def stalled_s(self) -> float:
+        return time.monotonic() - self.at
+
+
+def _serve(stage: TokenizerStage, from_gateway: DealerSocket, scheduler: DealerSocket, stop, accepted,
+           progress: _Progress) -> None:
     while not stop.is_set():
+        progress.turned()
         busy = False
         for msg in scheduler.recv_nowait():
             stage.handle_scheduler(msg)

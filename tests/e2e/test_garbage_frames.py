@@ -44,10 +44,27 @@ GARBAGE = [b"", b"\xc1", os.urandom(48), msgspec.msgpack.encode({"type": "Execut
            msgspec.msgpack.encode(Heartbeat("x", "x", 1, "ready", 0.0))]  # the last: a real message, wrong socket
 
 
+TOKENIZER = b"garbage-tokenizer"  # the replica's name: the gateway routes to it by name
+
+
+def to_tokenizer(router: RouterSocket, frame: bytes, timeout: float = 10.0) -> None:
+    """Send a raw frame to the replica, once its connection is up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            router.sock.send_multipart([TOKENIZER, frame], zmq.NOBLOCK)
+            return
+        except zmq.ZMQError:
+            assert time.monotonic() < deadline, "the tokenizer never connected to tokenizer_in"
+            time.sleep(0.02)
+
+
 def start_stage(name: str, model, addrs: Addresses, log_path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "services.cli", "stage", name, "--model", str(model), *addrs.as_argv()]
     if name == "executor":
         cmd += ["--dtype", "float32", "--threads", "1"]
+    if name == "tokenizer":
+        cmd += ["--replica", TOKENIZER.decode()]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
     with open(log_path, "wb") as log:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -75,7 +92,7 @@ def stages(tiny_model_dir, tmp_path):
     (tmp_path / "t").mkdir()
     (tmp_path / "e").mkdir()
     peers = {
-        "to_tokenizer": PushSocket(ctx, tok_addrs.tokenizer_in, GatewayToTokenizer, bind=True),
+        "to_tokenizer": RouterSocket(ctx, tok_addrs.tokenizer_in, GatewayToTokenizer, GatewayToTokenizer),
         "from_tokenizer": PullSocket(ctx, tok_addrs.gateway_in, TokenizerToGateway, bind=True),
         "scheduler": RouterSocket(ctx, tok_addrs.scheduler_in, TokenizerToScheduler, SchedulerToTokenizer),
         "status": PullSocket(ctx, tok_addrs.status, StatusToGateway, bind=True),
@@ -113,8 +130,9 @@ def test_tokenizer_and_executor_drop_garbage_and_keep_working(stages):
         assert procs["tokenizer"].poll() is None
         time.sleep(0.05)
     for junk in GARBAGE:
-        peers["to_tokenizer"].sock.send(junk)
-    peers["to_tokenizer"].send(GenerateRequest("g1", SamplingParams(max_tokens=2), prompt_token_ids=[5, 6, 7]))
+        to_tokenizer(peers["to_tokenizer"], junk)
+    to_tokenizer(peers["to_tokenizer"], msgspec.msgpack.encode(
+        GenerateRequest("g1", SamplingParams(max_tokens=2), prompt_token_ids=[5, 6, 7])))
     accepted = receive(peers["from_tokenizer"], RequestAccepted, proc=procs["tokenizer"])
     peer, tokenized = receive(peers["scheduler"], TokenizedRequest, proc=procs["tokenizer"])
     assert accepted.request_id == tokenized.request_id == "g1" and tokenized.prompt_token_ids == [5, 6, 7]

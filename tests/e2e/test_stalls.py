@@ -87,3 +87,46 @@ def test_a_frozen_executor_misses_the_step_deadline_and_its_requests_are_recompu
                "the preemptions in the scheduler's next heartbeat")
     wait_until(lambda: health(server)[0] == 200, 10, "healthy again")
     server.wait_blocks_free()
+
+
+def tokenizer_pids(server) -> dict[str, int]:
+    return {r["replica"]: r["pid"] for r in health(server)[1]["stages"]["tokenizer"] if r["ready"]}
+
+
+def test_a_frozen_tokenizer_replica_is_routed_around_and_its_requests_replayed(server):
+    bodies = [greedy(p, 32) for p in prompts(8, seed=41)]
+    stream_bodies = [greedy(p, 32, stream=True) for p in prompts(8, seed=42)]
+    reference = asyncio.run(run_load(server.url, bodies, stream_bodies))
+    assert all(r[0] == 200 for r in reference), dumps(reference)
+    replicas = wait_until(lambda: len(tokenizer_pids(server)) == 2 and tokenizer_pids(server), 10, "two replicas")
+    frozen_name, frozen_pid = sorted(replicas.items())[0]
+    retries = server.metrics()["pagedserve_request_retries_total"]
+
+    async def disturbed():
+        frozen = []
+
+        def freeze_on_first_chunk():
+            if not frozen:
+                os.kill(frozen_pid, signal.SIGSTOP)
+                frozen.append(time.monotonic())
+
+        try:
+            results = await run_load(server.url, bodies, stream_bodies, on_chunk=freeze_on_first_chunk)
+            # still frozen: new requests go to the other replica only, and complete at once
+            started = time.monotonic()
+            later = await run_load(server.url, bodies[:4], stream_bodies[:4])
+            return results, later, time.monotonic() - started, time.monotonic() - frozen[0]
+        finally:
+            os.kill(frozen_pid, signal.SIGCONT)
+
+    results, later, later_s, frozen_s = asyncio.run(disturbed())
+    assert results == reference, server.log()
+    assert later == reference[:4] + reference[8:12]
+    assert later_s < 10, later_s
+    assert all(r[3] is None and r[4] for r in results[len(bodies):])  # streams: no error, [DONE]
+    assert server.metrics()["pagedserve_request_retries_total"] > retries
+    assert frozen_s < 30
+    # thawed, it beats again and serves again; what it held was aborted and freed
+    wait_until(lambda: frozen_name in tokenizer_pids(server), 10, "the thawed replica")
+    assert tokenizer_pids(server) == replicas  # nothing restarted
+    server.wait_blocks_free()
