@@ -122,7 +122,9 @@ class TextDelta(Struct, tag=True):
     # on a sequence's first delta, when asked (echo, prompt_logprobs): the prompt itself
     prompt_text: str | None = None
     prompt_token_ids: list[int] = []
-    prompt_logprobs: list[TokenLogprob] = []  # for prompt tokens 1.. (token 0 has none)
+    # one per prompt token, when asked (echo with logprobs, prompt_logprobs); the first has
+    # rank 0: nothing predicts it, so it has no logprob
+    prompt_logprobs: list[TokenLogprob] = []
 
 
 class RequestError(Struct, tag=True):

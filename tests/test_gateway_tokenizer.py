@@ -281,7 +281,9 @@ def test_completion(server, tok):
     assert body["choices"][0]["token_ids"] == fake.reply + [EOS]
     assert body["choices"][0]["finish_reason"] == "stop"
     n_reply = len(fake.reply) + 1  # the EOS counts, but does not show
-    assert body["usage"] == {"prompt_tokens": 1, "completion_tokens": n_reply, "total_tokens": 1 + n_reply}
+    assert body["usage"] == {"prompt_tokens": 1, "completion_tokens": n_reply, "total_tokens": 1 + n_reply,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["choices"][0]["stop_reason"] is None  # ended by EOS: no stop token or string to name
     req = fake.wait_for(TokenizedRequest, body["id"])
     assert req.prompt_token_ids == tok.encode("Hi") and req.eos_token_ids == [EOS]
     assert req.params.max_tokens == 50

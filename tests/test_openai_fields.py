@@ -76,3 +76,33 @@ def test_unknown_fields_are_logged_once(caplog):
         completion(some_new_field_xyz=2)
     hits = [r for r in caplog.records if "some_new_field_xyz" in r.getMessage()]
     assert len(hits) == 1
+
+
+# --- logprobs fields (issue 11 step 3) and echo (step 4) -----------------------------------------
+
+
+def test_logprobs_fields_become_sampling_params():
+    assert completion(logprobs=0).params.logprobs == 0
+    assert completion(logprobs=5).params.logprobs == 5 and completion().params.logprobs is None
+    assert chat(logprobs=True).params.logprobs == 0
+    assert chat(logprobs=True, top_logprobs=4).params.logprobs == 4
+    assert chat(logprobs=False).params.logprobs is None
+    assert completion(prompt_logprobs=2).params.prompt_logprobs == 2
+
+
+@pytest.mark.parametrize("fn, body, param", [
+    (completion, {"logprobs": True}, "logprobs"), (completion, {"logprobs": 21}, "logprobs"),
+    (completion, {"logprobs": -1}, "logprobs"), (chat, {"logprobs": 3}, "logprobs"),
+    (chat, {"top_logprobs": 3}, "top_logprobs"), (chat, {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    (completion, {"logprobs": 1, "use_beam_search": True}, "logprobs"), (chat, {"echo": True}, "echo"),
+    (completion, {"max_tokens": 0}, "max_tokens"),
+])
+def test_bad_logprobs_fields(fn, body, param):
+    assert refused(fn, **body) == param
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt():
+    req = completion(echo=True, max_tokens=0, logprobs=2)
+    assert req.echo_only and req.params.max_tokens == 1 and req.params.echo
+    assert req.params.prompt_logprobs == 2 and req.params.logprobs == 2
+    assert completion(echo=True).params.prompt_logprobs is None  # echo alone needs no scoring

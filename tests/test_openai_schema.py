@@ -148,8 +148,8 @@ def test_unknown_model_is_404():
         ({"n": 17}, "n"),
         ({"n": 3, "use_beam_search": True, "beam_width": 2}, "beam_width"),
         ({"n": 0}, "n"),
-        ({"echo": True}, "echo"),
-        ({"logprobs": 3}, "logprobs"),
+        ({"echo": "yes"}, "echo"),
+        ({"logprobs": 30}, "logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
@@ -206,7 +206,8 @@ def test_completion_bodies():
     out = ResponseBuilder("completion", "cmpl-1", "m")
     full = out.full([("text", "length", [])], usage(3, 4))
     assert full["object"] == "text_completion" and full["id"] == "cmpl-1" and full["model"] == "m"
-    assert full["choices"] == [{"index": 0, "text": "text", "logprobs": None, "finish_reason": "length"}]
+    assert full["choices"] == [{"index": 0, "text": "text", "logprobs": None, "finish_reason": "length",
+                                "stop_reason": None}]
     assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     chunk = out.chunk("te")
     assert chunk["choices"][0]["text"] == "te" and "usage" not in chunk

@@ -38,7 +38,6 @@ from services.gateway.openai_schema import (
     parse_completion,
     parse_json,
     public_model_names,
-    usage,
 )
 from services.gateway.openapi import openapi_spec
 from services.gateway.options import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
@@ -158,7 +157,7 @@ class Gateway:
         request_id = new_request_id(parsed.kind)
         out = ResponseBuilder(
             parsed.kind, request_id, self.served_model_name, parsed.include_usage, parsed.return_token_ids,
-            num_choices=parsed.params.n,
+            num_choices=parsed.params.n, params=parsed.params, echo_only=parsed.echo_only,
         )
         timer = self.metrics.track(parsed.params.n)
         try:
@@ -199,7 +198,7 @@ class Gateway:
                 break
             msg = await stream.next()
         choices = [("".join(t), c.finish_reason, ids) for t, c, ids in zip(texts, out.choices, token_ids, strict=True)]
-        body = out.full(choices, usage(msg.num_prompt_tokens, out.num_output_tokens))
+        body = out.full(choices, out.usage(msg.num_prompt_tokens))
         return web.json_response(body, dumps=_dumps)
 
     async def _stream(
@@ -235,14 +234,15 @@ class Gateway:
                 while True:
                     timer.on_delta(msg)
                     done = out.record(msg)
-                    if msg.text or msg.finish_reason is not None or (out.return_token_ids and msg.token_ids):
+                    if (msg.text or msg.finish_reason is not None or (out.return_token_ids and msg.token_ids)
+                            or (out.logprobs and msg.logprobs)):
                         await send(out.chunk(msg.text, msg.finish_reason, token_ids=msg.token_ids,
-                                             index=msg.seq_index))
+                                             index=msg.seq_index, logprobs=msg.logprobs))
                     if done:
                         break
                     msg = await stream.next()
                 if out.include_usage:
-                    await send(out.usage_chunk(usage(msg.num_prompt_tokens, out.num_output_tokens)))
+                    await send(out.usage_chunk(out.usage(msg.num_prompt_tokens)))
             except EngineError as exc:
                 await send(_engine_api_error(exc).body())
             except RequestTimeout:

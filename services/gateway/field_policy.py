@@ -69,10 +69,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "n_keep": (),
     "logit_bias_type": (),
     # implemented in later steps of issue 11; refused until then
-    "echo": (),
-    "logprobs": (),
-    "top_logprobs": (0,),
-    "prompt_logprobs": (),
+    "echo": (),  # read by /v1/completions; on chat (vLLM's meaning) refused
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "add_special_tokens": (),

@@ -14,10 +14,13 @@ import math
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import msgspec
 
 from services.gateway.field_policy import unsupported_field
-from shared.messages import ChatMessage, GenerateRequest, SamplingParams
+from services.gateway.logprob_format import chat_logprobs, completion_logprobs, prompt_logprobs
+from shared.messages import ChatMessage, GenerateRequest, SamplingParams, TokenLogprob
 
 MAX_N = 16  # parallel samples or beams per request
 MAX_STOP_STRINGS = 16
@@ -41,10 +44,11 @@ _COMMON_FIELDS = {
     "model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
     "include_stop_str_in_output", "use_beam_search", "beam_width", "length_penalty", "return_token_ids",
     "stream", "stream_options", "n_predict", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "logit_bias", "min_tokens", "allowed_token_ids",
+    "logit_bias", "min_tokens", "allowed_token_ids", "logprobs", "prompt_logprobs",
 }
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+MAX_LOGPROBS = 20  # candidates per position, as vLLM's default max_logprobs
 
 
 class ApiError(Exception):
@@ -79,6 +83,7 @@ class ParsedRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+    echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone
 
     def to_generate(self, request_id: str) -> GenerateRequest:
         return GenerateRequest(
@@ -108,11 +113,19 @@ def parse_json(raw: bytes) -> dict:
 def parse_completion(body: dict, model_names: set[str]) -> ParsedRequest:
     _check_common(body, model_names, COMPLETION_FIELDS)
     prompt, prompt_ids = _prompt(body)
-    max_tokens = _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+    echo = _boolean(body, "echo", False)
+    echo_only = echo and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    # echo_only: the engine still runs one step (its token is dropped) to score the prompt
+    max_tokens = 1 if echo_only else _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
     stream, include_usage = _stream(body)
+    logprobs = _logprob_count(body, "logprobs")
+    prompt_logprobs = _logprob_count(body, "prompt_logprobs")
+    if echo and logprobs is not None:  # the echoed prompt's tokens come with their logprobs
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    params = _with_logprobs(body, _sampling(body, max_tokens), logprobs, prompt_logprobs, echo)
     return ParsedRequest(
-        "completion", _sampling(body, max_tokens), stream, include_usage, _boolean(body, "return_token_ids", False),
-        prompt=prompt, prompt_token_ids=prompt_ids,
+        "completion", params, stream, include_usage, _boolean(body, "return_token_ids", False),
+        prompt=prompt, prompt_token_ids=prompt_ids, echo_only=echo_only,
     )
 
 
@@ -125,10 +138,31 @@ def parse_chat(body: dict, model_names: set[str]) -> ParsedRequest:
     else:
         max_tokens = _max_tokens(body, "max_tokens", None)
     stream, include_usage = _stream(body)
+    wants = _boolean(body, "logprobs", False)
+    top = _logprob_count(body, "top_logprobs")
+    if top is not None and not wants and top > 0:
+        raise ApiError("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    params = _with_logprobs(body, _sampling(body, max_tokens), (top or 0) if wants else None,
+                            _logprob_count(body, "prompt_logprobs"), False)
     return ParsedRequest(
-        "chat", _sampling(body, max_tokens), stream, include_usage, _boolean(body, "return_token_ids", False),
+        "chat", params, stream, include_usage, _boolean(body, "return_token_ids", False),
         messages=messages,
     )
+
+
+def _logprob_count(body: dict, name: str) -> int | None:
+    value = _integer(body, name, None)
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError(f"'{name}' must be between 0 and {MAX_LOGPROBS}, got {value}.", param=name)
+    return value
+
+
+def _with_logprobs(body: dict, params: SamplingParams, logprobs: int | None, prompt_logprobs: int | None,
+                   echo: bool) -> SamplingParams:
+    if params.use_beam_search and (logprobs is not None or prompt_logprobs is not None):
+        name = "logprobs" if logprobs is not None else "prompt_logprobs"
+        raise ApiError(f"'{name}' cannot be combined with beam search.", param=name)
+    return msgspec.structs.replace(params, logprobs=logprobs, prompt_logprobs=prompt_logprobs, echo=echo)
 
 
 # --- field readers --------------------------------------------------------------------
@@ -418,69 +452,136 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 @dataclass
 class ChoiceState:
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     num_output_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # whole responses: every token's
+    text_offset: int = 0  # streamed completions: where the next token's text starts
+    prompt_text: str | None = None  # echo
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    started: bool = False  # its first chunk went out (a stream echoes the prompt there)
 
 
 class ResponseBuilder:
     """The bodies of one request's answer: the whole object, or its stream of chunks.
 
     With return_token_ids, each choice also lists its generated token ids (in a stream,
-    the ones new in that chunk).
+    the ones new in that chunk). With logprobs (params.logprobs set), each choice, or each
+    chunk, has them in the endpoint's shape (see logprob_format); with echo, a completion's
+    text (and logprobs) starts with the prompt's; echo_only drops the one token the engine
+    ran to score the prompt. Choices of a batch of prompts are numbered prompt * n + sample.
     """
 
     def __init__(
         self, kind: str, request_id: str, model: str, include_usage: bool = False, return_token_ids: bool = False,
-        num_choices: int = 1,
+        num_choices: int = 1, params: SamplingParams | None = None, echo_only: bool = False,
     ):
         self.kind, self.id, self.model = kind, request_id, model
         self.include_usage, self.return_token_ids = include_usage, return_token_ids
         self.created = int(time.time())
         self.choices = [ChoiceState() for _ in range(num_choices)]
+        params = params or SamplingParams()
+        self.logprobs = params.logprobs is not None
+        self.prompt_logprobs = params.prompt_logprobs is not None and not (params.echo and self.logprobs)
+        self.echo, self.echo_only = params.echo, echo_only
+        self.num_cached_tokens = 0
 
     def record(self, msg) -> bool:
         """Note a TextDelta's counts; True once every choice has finished."""
         choice = self.choices[msg.seq_index]
-        choice.num_output_tokens = msg.num_output_tokens
+        choice.num_output_tokens = 0 if self.echo_only else msg.num_output_tokens
         if msg.finish_reason is not None:
             choice.finish_reason = msg.finish_reason
+            choice.stop_reason = msg.stop_reason
+        if msg.prompt_text is not None:
+            choice.prompt_text = msg.prompt_text
+        if msg.prompt_logprobs:
+            choice.prompt_logprobs = msg.prompt_logprobs
+        if self.logprobs and not self.echo_only:
+            choice.logprobs += msg.logprobs
+        self.num_cached_tokens = max(self.num_cached_tokens, msg.num_cached_tokens)
         return all(c.finish_reason is not None for c in self.choices)
 
     @property
     def num_output_tokens(self) -> int:
         return sum(c.num_output_tokens for c in self.choices)
 
+    def usage(self, prompt_tokens: int) -> dict:
+        out = usage(prompt_tokens, self.num_output_tokens)
+        out["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
+        return out
+
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def _finish(self, choice: dict, finish_reason: str | None, token_ids: list[int]) -> dict:
-        choice.update(logprobs=None, finish_reason=finish_reason)
+    def _finish(self, choice: dict, finish_reason: str | None, token_ids: list[int], state: ChoiceState | None = None,
+                logprobs: dict | None = None) -> dict:
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
+        if finish_reason is not None:
+            choice["stop_reason"] = state.stop_reason if state is not None else None
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         return choice
+
+    def _echo_entries(self, state: ChoiceState) -> list[TokenLogprob]:
+        return state.prompt_logprobs if self.echo and self.logprobs else []
+
+    def _logprobs(self, state: ChoiceState, entries: list[TokenLogprob], first: bool) -> dict | None:
+        if not self.logprobs:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(entries)
+        if first:
+            entries = self._echo_entries(state) + entries
+        out, state.text_offset = completion_logprobs(entries, state.text_offset)
+        return out
 
     def full(self, choices: list[tuple[str, str | None, list[int]]], usage_: dict) -> dict:
         """choices: (text, finish_reason, token_ids) by choice index."""
         out = []
         for index, (text, finish_reason, token_ids) in enumerate(choices):
+            state = self.choices[index] if index < len(self.choices) else ChoiceState()
+            if self.echo_only:
+                text, token_ids, finish_reason = "", [], "length"
             if self.kind == "chat":
                 choice = {"index": index, "message": {"role": "assistant", "content": text}}
             else:
-                choice = {"index": index, "text": text}
-            out.append(self._finish(choice, finish_reason, list(token_ids)))
+                choice = {"index": index, "text": (state.prompt_text or "") + text if self.echo else text}
+            state.text_offset = 0
+            self._finish(choice, finish_reason, list(token_ids), state, self._logprobs(state, state.logprobs, True))
+            if self.prompt_logprobs and self.kind != "chat":
+                choice["prompt_logprobs"] = prompt_logprobs(state.prompt_logprobs)
+            out.append(choice)
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return {**self._envelope(obj, out), "usage": usage_}
+        body = {**self._envelope(obj, out), "usage": usage_}
+        if self.prompt_logprobs and self.kind == "chat":
+            body["prompt_logprobs"] = prompt_logprobs(self.choices[0].prompt_logprobs)
+        return body
 
     def chunk(
         self, text: str, finish_reason: str | None = None, role: bool = False, token_ids: list[int] = (),
-        index: int = 0,
+        index: int = 0, logprobs: list[TokenLogprob] = (),
     ) -> dict:
+        state = self.choices[index] if index < len(self.choices) else ChoiceState()
+        first = not state.started and not role
+        if not role:
+            state.started = True
+        if self.echo_only:
+            text, token_ids, logprobs = "", [], []
+            finish_reason = "length" if finish_reason is not None else None
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
             choice, obj = {"index": index, "delta": delta}, "chat.completion.chunk"
         else:
+            if first and self.echo:
+                text = (state.prompt_text or "") + text
             choice, obj = {"index": index, "text": text}, "text_completion"
-        self._finish(choice, finish_reason, list(token_ids))
+        lp = None if role else self._logprobs(state, list(logprobs), first)
+        self._finish(choice, finish_reason, list(token_ids), state, lp)
+        if first and self.prompt_logprobs and self.kind != "chat":
+            choice["prompt_logprobs"] = prompt_logprobs(state.prompt_logprobs)
         out = self._envelope(obj, [choice])
+        if first and self.prompt_logprobs and self.kind == "chat" and index == 0:
+            out["prompt_logprobs"] = prompt_logprobs(state.prompt_logprobs)
         if self.include_usage:
             out["usage"] = None
         return out

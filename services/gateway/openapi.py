@@ -13,6 +13,7 @@ from services.gateway.openai_schema import (
     MAX_LENGTH_PENALTY,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
     MAX_N,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -61,7 +62,8 @@ _TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "mini
 def _sampling(model_names: list[str]) -> dict:
     return {
         "model": _nullable({"type": "string", "enum": model_names}),
-        "max_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": _INT64_MAX}),
+        "max_tokens": _nullable({"type": "integer", "minimum": 0, "maximum": _INT64_MAX,
+                                 "description": "0 only with echo (prompt scoring)"}),
         "n_predict": _nullable({"type": "integer", "minimum": -1, "maximum": _INT64_MAX,
                                 "description": "llama.cpp's max_tokens; -1: the rest of the context"}),
         "temperature": _nullable({"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE}),
@@ -92,6 +94,8 @@ def _sampling(model_names: list[str]) -> dict:
         "ignore_eos": _nullable({"type": "boolean"}),
         "include_stop_str_in_output": _nullable({"type": "boolean"}),
         "return_token_ids": _nullable({"type": "boolean"}),
+        "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                                      "description": "vLLM's: each prompt token's logprob and this many top ones"}),
         "stream": _nullable({"type": "boolean"}),
         "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
         "user": {"type": "string"},
@@ -101,7 +105,10 @@ def _sampling(model_names: list[str]) -> dict:
 def _completion_request(model_names: list[str]) -> dict:
     prompt = {"oneOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]}
     return {"type": "object", "required": ["prompt"],
-            "properties": {"prompt": prompt, **_sampling(model_names)}}
+            "properties": {"prompt": prompt, **_sampling(model_names),
+                           "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+                           "echo": _nullable({"type": "boolean", "description": "with max_tokens 0: the prompt "
+                                                                                "alone, scored"})}}
 
 
 def _chat_request(model_names: list[str]) -> dict:
@@ -114,6 +121,8 @@ def _chat_request(model_names: list[str]) -> dict:
     }}
     return {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "minItems": 1, "items": message},
+        "logprobs": _nullable({"type": "boolean"}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
         "max_completion_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": _INT64_MAX}),
         **_sampling(model_names),
     }}

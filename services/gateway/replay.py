@@ -50,4 +50,6 @@ class Replay:
         self.sent_chars += len(text)
         if not ids and not text and delta.finish_reason is None:
             return None
-        return msgspec.structs.replace(delta, text=text, token_ids=ids)
+        # the first delta's prompt fields were sent already too
+        return msgspec.structs.replace(delta, text=text, token_ids=ids, logprobs=delta.logprobs[n:],
+                                       prompt_text=None, prompt_logprobs=[])

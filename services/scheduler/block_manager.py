@@ -86,8 +86,8 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding seq's leading tokens, always leaving one token to compute."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or getattr(seq, "no_cache_hits", False):
+            return []  # (a prompt being scored computes every position)
         bs, hits = self.block_size, []
         for i, h in enumerate(self._hashes(seq, seq.num_tokens - 1)):
             block = self._cached.get(h)

@@ -12,7 +12,7 @@ from functools import cached_property
 
 import msgspec
 
-from shared.messages import SamplingParams, SeqSampling
+from shared.messages import SamplingParams, SeqSampling, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -41,6 +41,9 @@ class Request:
     pending_forks: int = 0  # samples still to fork from this sequence once its prompt is in
     cum_logprob: float = 0.0  # beam search: the beam's score so far
     candidates: list[tuple[int, float]] | None = None  # beam search: next (token, logprob)s
+    # prompt_logprobs: the entries of prompt tokens 1.. scored so far (samples share their parent's)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied when it was first admitted
 
     @property
     def fork_at(self) -> int:
@@ -54,7 +57,8 @@ class Request:
         return Request(
             self.request_id, self.prompt_token_ids, msgspec.structs.replace(self.params, seed=seed),
             self.eos_token_ids, self.arrival_time, reply_to=self.reply_to,
-            block_hashes=list(self.block_hashes), seq_index=seq_index,
+            block_hashes=list(self.block_hashes), seq_index=seq_index, prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     @property
@@ -92,6 +96,30 @@ class Request:
             repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids,
             min_tokens=p.min_tokens, min_tokens_mask=mask if p.min_tokens else [], logprobs=p.logprobs,
         )
+
+    @property
+    def no_cache_hits(self) -> bool:
+        """Its prompt is still to be scored: every position must be computed, none taken
+        from the prefix cache."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def score_targets(self, start: int, num_tokens: int) -> list[int]:
+        """The next tokens of the prompt positions [start, start + num_tokens) still to score:
+        position p is scored against prompt token p + 1 (the last prompt position predicts
+        the first output token, which is sampled, not scored)."""
+        if self.params.prompt_logprobs is None or self.seq_index != 0:
+            return []
+        end = min(start + num_tokens, self.num_prompt_tokens - 1)
+        if end <= max(start, len(self.prompt_logprobs)):
+            return []  # none, or scored already (a recompute after preemption)
+        return self.prompt_token_ids[start + 1 : end + 1]
+
+    def add_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:
+        """The scored positions from start on; those scored before are kept as they were."""
+        have = len(self.prompt_logprobs)
+        if start > have:
+            raise ValueError(f"prompt positions scored out of order ({start} after {have})")
+        self.prompt_logprobs.extend(entries[have - start :])
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         n = self.num_prompt_tokens

@@ -29,7 +29,7 @@ from services.scheduler.request import Request, RequestStatus
 from services.scheduler.swap_space import SwapSpace
 from services.scheduler.token_history import TokenHistory
 from services.scheduler.validation import request_problem, token_limit
-from shared.messages import ExecuteStep, ScheduledSeq, SchedulerStats, TokenDelta
+from shared.messages import ExecuteStep, ScheduledSeq, SchedulerStats, TokenDelta, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +324,8 @@ class Scheduler:
             self.num_swapped_in_total += 1
         else:
             self.blocks.allocate(req, n)  # takes the cached prefix: num_computed_tokens moves
+            if req.num_preemptions == 0 and not req.num_output_tokens:
+                req.num_cached_tokens = req.num_computed_tokens
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -376,25 +378,44 @@ class Scheduler:
             num_logprobs=2 * req.params.beam_width if req.params.use_beam_search else 0,
             output_token_ids=list(req.output_token_ids) if history else [],
             prompt_token_ids=req.prompt_token_ids if history and sampling.repetition_penalty != 1 else [],
+            score_targets=req.score_targets(start, chunk.num_tokens),
+            prompt_logprobs=req.params.prompt_logprobs or 0,
         )
 
+    @staticmethod
+    def expected_outputs(chunks: list[ScheduledChunk]) -> tuple[int, int, int]:
+        """How many beam candidate lists, sampled-token logprobs and scored-prompt lists the
+        result of a step of these chunks must hold (before it is applied)."""
+        beams = sum(1 for c in chunks if c.samples and c.request.params.use_beam_search)
+        logprobs = sum(1 for c in chunks if c.samples and c.request.sampling.logprobs is not None
+                       and not c.request.params.use_beam_search)
+        scored = sum(1 for c in chunks if c.request.score_targets(c.request.num_computed_tokens, c.num_tokens))
+        return beams, logprobs, scored
+
     def process_results(
-        self, chunks: list[ScheduledChunk], sampled: list[int], top_logprobs: list[list[tuple[int, float]]] = ()
+        self, chunks: list[ScheduledChunk], sampled: list[int], top_logprobs: list[list[tuple[int, float]]] = (),
+        logprobs: list[TokenLogprob] = (), prompt_logprobs: list[list[TokenLogprob]] = (),
     ) -> list[tuple[Request, TokenDelta]]:
-        """Apply one step's sampled tokens (and beams' candidates, given in step order for
-        the beams that sampled); returns the deltas to send, by request."""
+        """Apply one step's sampled tokens (and beams' candidates, the sampled tokens' logprobs
+        and the scored prompt positions, each given in step order for the sequences that have
+        them); returns the deltas to send, by request."""
         self.num_steps_total += 1
         out: list[tuple[Request, TokenDelta]] = []
-        candidates = iter(top_logprobs)
+        candidates, token_lps, scored = iter(top_logprobs), iter(logprobs), iter(prompt_logprobs)
         touched_beams = set()
         for chunk, token in zip(chunks, sampled, strict=True):
             req = chunk.request
             samples = chunk.samples
             beam_cands = next(candidates) if samples and req.params.use_beam_search else None
+            token_lp = (next(token_lps) if samples and req.sampling.logprobs is not None
+                        and not req.params.use_beam_search else None)
+            positions = next(scored) if req.score_targets(req.num_computed_tokens, chunk.num_tokens) else None
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted, finished, failed or preempted while the step ran
             try:
-                delta = self._apply(chunk, token, beam_cands)
+                if positions is not None:
+                    req.add_prompt_logprobs(req.num_computed_tokens, positions)
+                delta = self._apply(chunk, token, beam_cands, token_lp)
             except Exception as exc:
                 self.fail_request(req.request_id, exc)
                 continue
@@ -410,7 +431,8 @@ class Scheduler:
         # a request that failed after some of its sequences' deltas: the error is its last word
         return [(req, delta) for req, delta in out if req.finish_reason != "error"]
 
-    def _apply(self, chunk: ScheduledChunk, token: int, beam_cands: list | None) -> TokenDelta | None:
+    def _apply(self, chunk: ScheduledChunk, token: int, beam_cands: list | None,
+               token_lp: TokenLogprob | None = None) -> TokenDelta | None:
         """One sequence's share of a step's result; the delta to send, if any."""
         req = chunk.request
         samples = chunk.samples
@@ -436,7 +458,14 @@ class Scheduler:
         reason = req.stop_reason(self.config.max_model_len)
         if reason is not None:
             self._finish(req, reason)
-        return TokenDelta(req.request_id, [token], req.num_prompt_tokens, reason, req.seq_index)
+        delta = TokenDelta(req.request_id, [token], req.num_prompt_tokens, reason, req.seq_index,
+                           logprobs=[token_lp] if token_lp is not None else [],
+                           stop_token_id=token if reason == "stop" else None)
+        if req.num_output_tokens == 1:  # a sequence's first delta says what its prompt cost
+            delta.num_cached_tokens = req.num_cached_tokens
+            if req.params.prompt_logprobs is not None:
+                delta.prompt_logprobs = req.prompt_logprobs
+        return delta
 
     def _advance_beams(self, request_id: str) -> list[tuple[Request, TokenDelta]]:
         """Once every live beam has its candidates: choose the next beams, fork and drop

@@ -174,9 +174,9 @@ class SchedulerService:
         self.in_flight = None
         self.result_at = time.perf_counter()
         self.executor_warm = True
-        expected_logprobs = sum(1 for c in chunks if c.samples and c.request.params.use_beam_search)
-        if isinstance(msg, StepResult) and (len(msg.sampled) != len(chunks)
-                                            or len(msg.top_logprobs) != expected_logprobs):
+        beams, logprobs, scored = self.scheduler.expected_outputs(chunks)
+        if isinstance(msg, StepResult) and (len(msg.sampled) != len(chunks) or len(msg.top_logprobs) != beams
+                                            or len(msg.logprobs) != logprobs or len(msg.prompt_logprobs) != scored):
             msg = StepFailed(msg.step_id, f"result for {len(msg.sampled)} sequences, step had {len(chunks)}")
         if isinstance(msg, StepFailed):
             log.error("step %d failed: %s", msg.step_id, msg.message)
@@ -185,7 +185,8 @@ class SchedulerService:
                 if req is not None:
                     self._reply(req.reply_to, RequestError(req.request_id, 500, f"model execution failed: {msg.message}", "internal_error"))
             return
-        for req, delta in self.scheduler.process_results(chunks, msg.sampled, msg.top_logprobs):
+        for req, delta in self.scheduler.process_results(chunks, msg.sampled, msg.top_logprobs, msg.logprobs,
+                                                             msg.prompt_logprobs):
             self._reply(req.reply_to, delta)
         self._report_failures()
         # from the previous result (or from scheduling, after idling) to this one: the whole

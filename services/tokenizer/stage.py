@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from services.tokenizer.detokenizer import Detokenizer
 from services.tokenizer.prompts import PromptBuilder, PromptError
+from services.tokenizer.token_text import TokenTexts
 from shared.messages import (
     AbortRequest,
     FinishRequest,
@@ -30,6 +31,7 @@ from shared.messages import (
     TokenizedRequest,
     TokenizerToGateway,
     TokenizerToScheduler,
+    TokenLogprob,
     WatchPool,
 )
 
@@ -44,8 +46,10 @@ class _Active:
     tokenizer: object
     params: object
     prompt_ids: list[int]
+    prompt_text: str | None = None  # echo: the prompt as given (or decoded from its ids)
     detoks: dict[int, Detokenizer] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
+    prompt_logprobs: list[TokenLogprob] | None = None  # filled with token texts once
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -53,7 +57,8 @@ class _Active:
 
     def detok(self, seq_index: int) -> Detokenizer:
         if seq_index not in self.detoks:
-            self.detoks[seq_index] = Detokenizer(self.tokenizer, self.params, self.prompt_ids)
+            self.detoks[seq_index] = Detokenizer(self.tokenizer, self.params, self.prompt_ids,
+                                                 skip_special_tokens=self.params.skip_special_tokens)
         return self.detoks[seq_index]
 
     @property
@@ -71,6 +76,7 @@ class TokenizerStage:
         to_scheduler: Callable[[TokenizerToScheduler], None],
     ):
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)
         self.prompts = prompts
         self.eos_token_ids = eos_token_ids
         self._to_gateway = to_gateway
@@ -110,7 +116,11 @@ class TokenizerStage:
             self._to_gateway(RequestError(req.request_id, 400, str(exc), param=exc.param))
             return
         params = self.prompts.resolve_max_tokens(req.params, len(ids))
-        self.active[req.request_id] = _Active(self.tokenizer, params, ids)
+        prompt_text = None
+        if params.echo:
+            prompt_text = req.prompt if req.prompt is not None else self.tokenizer.decode(
+                ids, skip_special_tokens=params.skip_special_tokens)
+        self.active[req.request_id] = _Active(self.tokenizer, params, ids, prompt_text)
         self._to_scheduler(
             TokenizedRequest(
                 request_id=req.request_id,
@@ -145,29 +155,48 @@ class TokenizerStage:
             self._fail(delta.request_id, 500, "internal error: the model produced an invalid token id",
                        "internal_error")
             return
+        first = index not in state.detoks
         detok = state.detok(index)
         finish = delta.finish_reason
         text = detok.step(delta.token_ids, final=finish is not None)
+        stop_reason = delta.stop_token_id if delta.stop_token_id in state.params.stop_token_ids else None
         if detok.stopped:
             if finish is None:
                 self._to_scheduler(FinishRequest(delta.request_id, "stop", seq_index=index))
-            finish = "stop"
+            finish, stop_reason = "stop", detok.stop_reason
         if finish is not None:
             state.finished.add(index)
             if state.done:
                 del self.active[delta.request_id]
         # Sent even with no text to show yet: the gateway counts tokens and times them.
-        self._to_gateway(
-            TextDelta(
-                request_id=delta.request_id,
-                text=text,
-                num_prompt_tokens=state.num_prompt_tokens,
-                num_output_tokens=detok.num_output_tokens,
-                finish_reason=finish,
-                token_ids=delta.token_ids,
-                seq_index=index,
-            )
+        out = TextDelta(
+            request_id=delta.request_id,
+            text=text,
+            num_prompt_tokens=state.num_prompt_tokens,
+            num_output_tokens=detok.num_output_tokens,
+            finish_reason=finish,
+            token_ids=delta.token_ids,
+            seq_index=index,
+            logprobs=self.token_texts.fill(delta.logprobs),
+            stop_reason=stop_reason if finish == "stop" else None,
+            num_cached_tokens=delta.num_cached_tokens,
         )
+        if first:
+            self._add_prompt(state, delta, out)
+        self._to_gateway(out)
+
+    def _add_prompt(self, state: _Active, delta: TokenDelta, out: TextDelta) -> None:
+        """A sequence's first delta carries the prompt when the client asked to see it."""
+        params = state.params
+        if params.echo:
+            out.prompt_text = state.prompt_text
+        if params.prompt_logprobs is not None:
+            if state.prompt_logprobs is None and delta.prompt_logprobs:
+                first = TokenLogprob(state.prompt_ids[0], 0.0, 0)  # rank 0: not scored
+                state.prompt_logprobs = self.token_texts.fill([first, *delta.prompt_logprobs])
+            out.prompt_logprobs = state.prompt_logprobs or []
+        if params.echo or params.prompt_logprobs is not None:
+            out.prompt_token_ids = state.prompt_ids
 
     def _fail(self, request_id: str, status: int, message: str, error_type: str) -> None:
         if self.active.pop(request_id, None) is not None:

@@ -155,3 +155,140 @@ def test_bad_sampling_fields_are_400(client, field, value):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, extra_body={field: value})
     assert info.value.body["param"] == field
+
+
+# --- logprobs: log-softmax of transformers' float32 logits at the same positions -------------------
+
+
+def _hf_logprobs(model, tokens: list[int]):
+    """[len(tokens), vocab] log-softmax of the logits at each position (predicting the next token)."""
+    import torch
+
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)
+
+
+def _check_token(lp, got_logprob, token_id):
+    assert abs(got_logprob - float(lp[token_id])) < 1e-3
+
+
+def test_completion_logprobs_whole_and_streamed(client, hf_model, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.completions.create(**body)
+    choice = whole.choices[0]
+    ids = choice.model_extra["token_ids"]
+    ref = _hf_logprobs(hf_model, PROMPT + ids)
+    lps = choice.logprobs
+    assert len(lps.tokens) == len(lps.token_logprobs) == len(lps.top_logprobs) == len(lps.text_offset) == 5
+    offset = 0
+    for i, tok in enumerate(ids):
+        row = ref[len(PROMPT) - 1 + i]
+        _check_token(row, lps.token_logprobs[i], tok)
+        assert int(row.argmax()) == tok  # greedy: the best candidate
+        top3 = row.topk(3).indices.tolist()
+        assert len(lps.top_logprobs[i]) == 3 and lps.tokens[i] in lps.top_logprobs[i]
+        assert sorted(lps.top_logprobs[i].values(), reverse=True) == pytest.approx(
+            [float(row[t]) for t in top3], abs=1e-3)
+        assert lps.text_offset[i] == offset
+        offset += len(lps.tokens[i])
+    assert "".join(lps.tokens) == AutoTokenizer.from_pretrained(tiny_model_dir).decode(ids)  # specials shown too
+
+    stream = client.completions.create(**body, stream=True)
+    tokens, values, offsets = [], [], []
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.logprobs:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    assert tokens == lps.tokens and offsets == lps.text_offset
+    assert values == pytest.approx(lps.token_logprobs, abs=1e-6)
+
+
+def test_chat_logprobs_whole_streamed_and_async(client, hf_model, tiny_server, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                        add_special_tokens=False)
+    body = dict(model=MODEL, messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.chat.completions.create(**body)
+    ids = whole.choices[0].model_extra["token_ids"]
+    ref = _hf_logprobs(hf_model, prompt + ids)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 4
+    for i, entry in enumerate(content):
+        row = ref[len(prompt) - 1 + i]
+        _check_token(row, entry.logprob, ids[i])
+        assert bytes(entry.bytes).decode("utf-8", "replace") == tok.decode([ids[i]]) or entry.token.startswith("bytes:")
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(row.topk(2).values.tolist(), abs=1e-3)
+    streamed = [e for chunk in client.chat.completions.create(**body, stream=True)
+                for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0) as c:
+            return await c.chat.completions.create(**body)
+
+    assert [e.logprob for e in asyncio.run(run()).choices[0].logprobs.content] == pytest.approx(
+        [e.logprob for e in content], abs=1e-6)
+
+
+def test_plain_responses_have_null_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+    assert out.choices[0].logprobs is None
+    assert out.usage.prompt_tokens_details.cached_tokens >= 0
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+    assert info.value.body["param"] == "top_logprobs"
+
+
+# --- prompt scoring: echo + logprobs + max_tokens 0, and vLLM's prompt_logprobs ---------------------------
+
+
+def test_echo_scores_the_prompt_like_transformers(client, hf_model, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "The quick brown fox jumps over the lazy dog because it wants to see what is on the other side."
+    prompt = tok.encode(text)
+    ref = _hf_logprobs(hf_model, prompt)
+    want = [float(ref[i - 1, t]) for i, t in enumerate(prompt) if i > 0]
+    for stream in (False, True):
+        for _ in range(2):  # the second run finds the prompt's blocks in the prefix cache: scored all the same
+            out = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=1,
+                                            temperature=0, stream=stream)
+            chunks = list(out) if stream else [out]
+            choices = [c for chunk in chunks for c in chunk.choices]
+            assert "".join(c.text for c in choices) == text
+            lps = [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs]
+            assert lps[0] is None and lps[1:] == pytest.approx(want, abs=1e-3)
+            if not stream:
+                assert out.usage.completion_tokens == 0 and choices[0].finish_reason == "length"
+                assert len(choices[0].logprobs.tokens) == len(prompt)
+                assert out.usage.prompt_tokens_details.cached_tokens == 0  # scored, so computed
+    plain = client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0)
+    assert plain.usage.prompt_tokens_details.cached_tokens >= 16  # the same prompt's blocks are cached
+
+
+def test_echo_with_generation_and_vllm_prompt_logprobs(client, hf_model):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, echo=True, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = out.choices[0]
+    assert choice.text.endswith(client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}).choices[0].text)
+    ref = _hf_logprobs(hf_model, PROMPT)
+    scored = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 2})
+    plp = scored.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == len(PROMPT) and plp[0] is None
+    for i in range(1, len(PROMPT)):
+        entry = plp[i][str(PROMPT[i])]
+        assert abs(entry["logprob"] - float(ref[i - 1, PROMPT[i]])) < 1e-3
+        assert entry["rank"] == int((ref[i - 1] > ref[i - 1, PROMPT[i]]).sum()) + 1
+        assert len(plp[i]) in (2, 3)  # the token itself and the top 2
