@@ -114,8 +114,8 @@ class SchedulerService:
         self.recently_aborted: dict[str, float] = {}  # request id -> when its abort came
         self.outbox = Outbox(self.requests_in, STALL_TIMEOUT_S)
         self.watch = PoolWatch()
+        # a gateway that stops reading leaves at most one subscription's snapshots (ttl / interval) queued
         self.snapshots_out = PushSocket(ctx, addr.status, StatusToGateway)
-        self.snapshots_out.sock.setsockopt(zmq.SNDHWM, 2)  # a stale snapshot is worthless
         self.running = True
 
     def refresh_stats(self) -> None:
