@@ -80,9 +80,10 @@ def beat(stage, replica, instance, state="ready"):
 
 
 def make_watchdog():
-    clock, lost = Clock(), {"tokenizer": [], "scheduler": []}
+    clock, lost = Clock(), {"tokenizer": [], "scheduler": [], "restarted": []}
     dog = StageWatchdog(lambda i: lost["tokenizer"].append(i) or 0,
-                        lambda m: lost["scheduler"].append(m) or 0, lost_after_s=3.0, clock=clock)
+                        lambda m: lost["scheduler"].append(m) or 0, lost_after_s=3.0, clock=clock,
+                        on_scheduler_restarted=lambda: lost["restarted"].append(1) or 0, scheduler_give_up_s=20.0)
     return dog, clock, lost
 
 
@@ -109,18 +110,26 @@ def test_watchdog_finds_a_silent_tokenizer_and_a_restarted_one():
     assert lost["scheduler"] == [] and dog.scheduler_available
 
 
-def test_watchdog_fails_requests_once_when_the_scheduler_goes_and_admits_again_when_back():
+def test_watchdog_resends_after_a_scheduler_restart_and_fails_requests_only_when_it_is_gone_for_good():
     dog, clock, lost = make_watchdog()
     assert not dog.scheduler_available  # none seen yet
     dog.record(beat("scheduler", "s", "S1"))
     tick(dog, clock, 4.0)
-    assert len(lost["scheduler"]) == 1 and not dog.scheduler_available
+    assert not dog.scheduler_available  # silent: new requests are refused...
+    assert lost["scheduler"] == [] and lost["restarted"] == []  # ...those in flight wait
+    dog.record(beat("scheduler", "s", "S1"))  # it was only frozen: they go on
+    assert dog.scheduler_available and lost["restarted"] == []
     tick(dog, clock, 4.0)
-    assert len(lost["scheduler"]) == 1
-    dog.record(beat("scheduler", "s", "S2", "waiting for executor"))
-    assert dog.scheduler_available and len(lost["scheduler"]) == 1  # nothing was admitted meanwhile
-    dog.record(beat("scheduler", "s", "S3"))  # a restart quicker than the timeout
-    assert len(lost["scheduler"]) == 2
+    dog.record(beat("scheduler", "s", "S2", "waiting for executor"))  # restarted: it knows none of them
+    assert dog.scheduler_available and lost["restarted"] == [1] and lost["scheduler"] == []
+    dog.record(beat("scheduler", "s", "S3"))  # a restart quicker than the silence timeout
+    assert lost["restarted"] == [1, 1]
+    tick(dog, clock, 21.0)  # gone for good: the requests in flight end with an error, once
+    assert len(lost["scheduler"]) == 1 and "gone" in lost["scheduler"][0]
+    tick(dog, clock, 5.0)
+    dog.record(beat("scheduler", "s", "S4"))
+    assert len(lost["scheduler"]) == 1 and lost["restarted"] == [1, 1]  # nothing left to resend
+    assert dog.scheduler_available
 
 
 def test_a_late_check_declares_nothing():
@@ -255,6 +264,33 @@ def test_scheduler_loss_ends_every_request_with_503(tmp_path, contexts):
                 await stream.next()
             assert info.value.err.status == 503 and info.value.err.message == "gone"
         assert (await tok.take(AbortRequest)).request_id == "cmpl-2"  # the tokenizer forgets it
+
+    asyncio.run(go())
+
+
+def test_a_restarted_scheduler_gets_every_request_again_and_streams_resume(tmp_path, contexts):
+    async def go():
+        ctx, sync = contexts
+        addrs = Addresses.ipc(str(tmp_path))
+        client = EngineClient(ctx, addrs, replicas=lambda: ["t"])
+        reader = asyncio.get_running_loop().create_task(client.run_reader())
+        tok = FakeTokenizer(sync, addrs, "t")
+        async with client.open(GenerateRequest("cmpl-3", GREEDY, prompt="hi"), 10) as stream:
+            got = await tok.take()
+            tok.out.send(RequestAccepted(got.request_id, "t", "t"))
+            tok.out.send(delta("Hel", [1], 1, rid=got.request_id))
+            assert (await stream.next()).text == "Hel"
+            assert client.scheduler_restarted() == 1
+            resumed = asyncio.get_running_loop().create_task(stream.next())
+            assert (await tok.take(AbortRequest)).request_id == "cmpl-3"
+            again = await tok.take()
+            assert again.request_id == "cmpl-3-retry1" and again.prompt == "hi"
+            tok.out.send(delta("Hel", [1], 1, rid=again.request_id))  # regenerated: not shown twice
+            tok.out.send(delta("lo", [2], 2, "length", again.request_id))
+            last = await resumed
+            assert (last.text, last.token_ids, last.finish_reason) == ("lo", [2], "length")
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
 
     asyncio.run(go())
 

@@ -14,8 +14,9 @@ gateway picks, its aborts to that same replica (or, when it is lost, through ano
 Recovery: a tokenizer replica acknowledges each request it takes (RequestAccepted, with
 its instance id). When the watchdog finds a replica dead, its requests, and those no
 replica has acknowledged yet, are sent again under a new pipeline id (the old one is
-aborted); `Replay` hides what the client already has. When the scheduler is lost, every
-request in flight ends with a 503 error.
+aborted); `Replay` hides what the client already has. A restarted scheduler lost every
+request it had: all the requests in flight are sent again the same way. Only a
+scheduler gone for good (see the watchdog) ends them with a 503 error.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from shared.transport import AsyncPullSocket, AsyncRouterSocket
 
 log = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 3  # a request is sent at most this many times
+MAX_ATTEMPTS = 5  # a request is sent at most this many times
 DEFAULT_MAX_BUFFERED = 1024  # messages waiting for one request's handler
 
 
@@ -62,7 +63,10 @@ class RequestTimeout(Exception):
 
 
 class _Retry:
-    """Queued to a stream whose tokenizer replica died."""
+    """Queued to a stream whose tokenizer replica, or the scheduler, died."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
 
 
 class _Lost:
@@ -72,7 +76,7 @@ class _Lost:
         self.message = message
 
 
-_RETRY = _Retry()
+_RETRY = _Retry("tokenizer replica")
 
 
 def unavailable(request_id: str, message: str) -> RequestError:
@@ -146,6 +150,13 @@ class EngineClient:
         hit = [s for s in self._streams.values() if s.sent and s.owner in (instance, None)]
         for stream in hit:
             stream.interrupt(_RETRY)
+        return len(hit)
+
+    def scheduler_restarted(self) -> int:
+        """A new scheduler instance knows none of the requests in flight: send them again."""
+        hit = [s for s in self._streams.values() if s.sent]
+        for stream in hit:
+            stream.interrupt(_Retry("scheduler"))
         return len(hit)
 
     def scheduler_lost(self, message: str) -> int:
@@ -222,8 +233,8 @@ class RequestStream:
                 msg = await asyncio.wait_for(self.queue.get(), self._remaining())
             except asyncio.TimeoutError as exc:
                 raise RequestTimeout from exc
-            if msg is _RETRY:
-                await self._retry()
+            if isinstance(msg, _Retry):
+                await self._retry(msg.stage)
                 continue
             if isinstance(msg, _Lost):
                 raise EngineError(unavailable(self.request_id, msg.message))  # not done: aborted on exit
@@ -244,14 +255,15 @@ class RequestStream:
                 self.done = not self._unfinished
             return delta
 
-    async def _retry(self) -> None:
+    async def _retry(self, stage: str) -> None:
         if self.attempt + 1 >= MAX_ATTEMPTS or not self._replay.can_restart():
             why = ("it failed too often" if self._replay.can_restart()
                    else "part of a sampled answer without a seed was already sent")
             raise EngineError(unavailable(
-                self.request_id, f"The tokenizer replica serving this request failed and the request "
+                self.request_id, f"The {stage} serving this request failed and the request "
                 f"cannot be restarted: {why}. Please retry."))
-        log.warning("%s: tokenizer replica %s lost; sending the request again", self.request_id, self.owner)
+        log.warning("%s: %s lost; sending the request again", self.request_id,
+                    f"tokenizer replica {self.owner}" if stage == "tokenizer replica" else stage)
         self._client._streams.pop(self.pipeline_id, None)
         self._client.abort(self.pipeline_id, self.sent_to)
         self.attempt += 1

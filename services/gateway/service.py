@@ -80,7 +80,7 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
         metrics.lost.inc(n)
         return n
 
-    watchdog = StageWatchdog(client.replica_lost, scheduler_lost)
+    watchdog = StageWatchdog(client.replica_lost, scheduler_lost, on_scheduler_restarted=client.scheduler_restarted)
     admission = Admission(api_key_from(args.api_key), args.max_queued_requests,
                           lambda: client.num_waiting, lambda: watchdog.missing_stage, args.metrics_public)
     served = args.served_model_name or default_served_name(args.model)

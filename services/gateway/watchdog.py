@@ -4,9 +4,11 @@ A stage instance is lost when it sends no heartbeat for LOST_AFTER_S, or at once
 new instance shows up under the same name (a restart faster than that); a tokenizer
 replica also when it says it is stuck (its loop made no progress, though its heartbeat
 thread still beats). New requests go only to `live_tokenizers`. A lost
-tokenizer replica's requests are retried on the others; a lost scheduler took every
-request in flight with it, so they all end with a 503, and new requests get a 503
-until a scheduler beats again. The executor needs nothing here: the scheduler
+tokenizer replica's requests are retried on the others. A scheduler that goes silent
+makes new requests get a 503 while those in flight wait: when a new scheduler instance
+beats (a restart), it knows none of them, so they are all sent again
+(`on_scheduler_restarted`); if the old one beats again (it was frozen), they simply go
+on; only one gone for SCHEDULER_GIVE_UP_S ends them with a 503 (`on_scheduler_lost`). The executor needs nothing here: the scheduler
 recomputes what a restarted executor lost. Admission asks `missing_stage`: while no
 tokenizer replica, no scheduler or no executor is alive, new requests get a 503 at once
 instead of waiting for a stage that may not come back.
@@ -26,6 +28,7 @@ from shared.messages import Heartbeat
 log = logging.getLogger(__name__)
 
 LOST_AFTER_S = 3.0
+SCHEDULER_GIVE_UP_S = 60.0  # requests wait this long for a scheduler to come back
 CHECK_INTERVAL_S = 0.25
 
 
@@ -36,9 +39,14 @@ class StageWatchdog:
         on_scheduler_lost: Callable[[str], int],
         lost_after_s: float = LOST_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
+        on_scheduler_restarted: Callable[[], int] = lambda: 0,
+        scheduler_give_up_s: float = SCHEDULER_GIVE_UP_S,
     ):
         self._on_tokenizer_lost = on_tokenizer_lost
         self._on_scheduler_lost = on_scheduler_lost
+        self._on_scheduler_restarted = on_scheduler_restarted
+        self.scheduler_give_up_s = scheduler_give_up_s
+        self._scheduler_given_up = False  # its requests were failed: nothing left to resend
         self.lost_after_s = lost_after_s
         self._clock = clock
         self._tokenizers: dict[str, float] = {}  # instance -> last beat
@@ -91,11 +99,13 @@ class StageWatchdog:
             self._tokenizer_ready[beat.instance] = beat.state == "ready"
         elif beat.stage == "scheduler":
             self._executor_lost = beat.state.startswith("executor lost")
-            if self._scheduler is not None and beat.instance != self._scheduler and not self._scheduler_down:
-                self._scheduler_lost("The scheduler restarted and lost the request; please retry.")
+            if self._scheduler is not None and beat.instance != self._scheduler and not self._scheduler_given_up:
+                n = self._on_scheduler_restarted()
+                log.warning("scheduler restarted (%s): sending the %d requests in flight again", beat.replica, n)
             elif self._scheduler_down:
                 log.info("scheduler %s is back", beat.replica)
             self._scheduler, self._scheduler_seen, self._scheduler_down = beat.instance, now, False
+            self._scheduler_given_up = False
 
     def check(self) -> None:
         now = self._clock()
@@ -111,7 +121,12 @@ class StageWatchdog:
             log.warning("executor silent for %.1f s: refusing new requests until it is back", now - self._executor_seen)
         if self._scheduler is not None and not self._scheduler_down and now - self._scheduler_seen > self.lost_after_s:
             self._scheduler_down = True
-            self._scheduler_lost("The scheduler stopped answering; the request was lost. Please retry.")
+            log.warning("scheduler silent for %.1f s: refusing new requests; those in flight wait for it",
+                        now - self._scheduler_seen)
+        if self._scheduler_down and not self._scheduler_given_up and now - self._scheduler_seen > self.scheduler_give_up_s:
+            self._scheduler_given_up = True
+            self._scheduler_lost(f"The scheduler has been gone for {self.scheduler_give_up_s:.0f} s; the request "
+                                 "was lost. Please retry.")
 
     def _tokenizer_lost(self, instance: str, why: str) -> None:
         self._tokenizers.pop(instance, None)

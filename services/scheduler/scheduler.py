@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from collections import deque
 from dataclasses import dataclass
 
@@ -71,7 +72,9 @@ class Scheduler:
         self.decode_steps_total = 0
         self.decode_step_seconds_total = 0.0
         self.decode_forward_seconds_total = 0.0
-        self._next_step_id = 0
+        # random start: a late result for a step of a previous scheduler process (the
+        # executor outlives it) never matches a step of this one
+        self._next_step_id = random.getrandbits(48)
         self._failed: list[Request] = []  # failed, not yet reported (see take_failed)
         self._doomed: list[Request] = []  # failed while a step is being built: freed after it
         self.held: set[bytes] = set()  # owners whose requests wait (backpressure)

@@ -4,18 +4,16 @@
   and the server keeps serving.
 - The executor dies under load: the launcher restarts it, the scheduler recomputes, and
   every request completes with the output of an undisturbed run.
-- The scheduler dies under load: every request in flight ends with a 503 (or an error
-  event in its stream) in bounded time, /health turns unhealthy, and serving resumes.
+- The scheduler dies under 32 streams: the gateway sends every request in flight again
+  to the restarted scheduler and each stream completes as an undisturbed run would.
 """
 
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import os
 import signal
-import threading
 import time
 
 import msgspec
@@ -26,7 +24,7 @@ from shared.messages import Heartbeat, TextDelta
 from tests.e2e.load import dumps, greedy, prompts, run_load
 from tests.helpers import ServerProcess, get
 
-ERROR_BOUND_S = 15.0  # a request hit by a scheduler death ends within this
+ERROR_BOUND_S = 30.0  # the load hit by a scheduler death ends within this
 
 
 @pytest.fixture(scope="module")
@@ -108,58 +106,27 @@ def test_executor_killed_under_load_recomputes_every_request(server):
     server.wait_blocks_free()
 
 
-class HealthWatcher(threading.Thread):
-    """Polls /health as fast as it answers; remembers every status it saw."""
-
-    def __init__(self, port: int):
-        super().__init__(daemon=True)
-        self.port, self.seen, self.halt = port, set(), threading.Event()
-
-    def run(self) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-        while not self.halt.is_set():
-            try:
-                conn.request("GET", "/health")
-                resp = conn.getresponse()
-                resp.read()
-                self.seen.add(resp.status)
-            except OSError:
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-            time.sleep(0.01)
-
-
-def test_scheduler_killed_under_load_fails_requests_clearly_and_serving_resumes(server):
-    bodies = [greedy(p, 400) for p in prompts(4, seed=21)]
-    stream_bodies = [greedy(p, 400, stream=True) for p in prompts(2, seed=22)]
+def test_scheduler_killed_under_32_streams_loses_nothing(server):
+    stream_bodies = [greedy(p, 40, stream=True) for p in prompts(32, seed=21)]
+    reference = asyncio.run(run_load(server.url, [], stream_bodies))
+    assert all(r[0] == 200 and r[3] is None and r[4] for r in reference), dumps(reference)
     old_pid = server.stage_pid("scheduler")
-    watcher = HealthWatcher(server.port)
+    before = server.metrics()
+    chunks, killed = [0], []
 
-    async def disturbed():
-        chunks = asyncio.Event()
-        task = asyncio.create_task(run_load(server.url, bodies, stream_bodies, on_chunk=chunks.set))
-        await asyncio.wait_for(chunks.wait(), 60)
-        await asyncio.sleep(0.3)  # every request is in the scheduler by now
-        watcher.start()
-        os.kill(old_pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        return await task, time.monotonic() - killed_at
+    def kill_mid_stream():
+        chunks[0] += 1
+        if chunks[0] == 200 and not killed:  # every stream has started, none has finished
+            os.kill(old_pid, signal.SIGKILL)
+            killed.append(time.monotonic())
 
-    results, ended_after_s = asyncio.run(disturbed())
-    assert ended_after_s < ERROR_BOUND_S, ended_after_s
-    for status, error_type, message in results[: len(bodies)]:
-        assert (status, error_type) == (503, "service_unavailable"), results
-        assert "scheduler" in message
-    for status, _ids, _text, error, done in results[len(bodies):]:
-        assert status == 200 and done, results  # the stream had started: an error event, then [DONE]
-        assert error["type"] == "service_unavailable" and "scheduler" in error["message"]
-
-    wait_until(lambda: get(server.url + "/health")[0] == 200, 30, "a healthy server again")
-    watcher.halt.set()
-    watcher.join(5)
-    assert 503 in watcher.seen, watcher.seen
+    results = asyncio.run(run_load(server.url, [], stream_bodies, on_chunk=kill_mid_stream))
+    assert killed
+    assert results == reference, server.log()  # same tokens, no repeats, no error events, [DONE]
+    assert time.monotonic() - killed[0] < ERROR_BOUND_S
     assert server.stage_pid("scheduler") != old_pid
-    assert wait_until(lambda: serves(server), 30, "serving again")
-    health = json.loads(get(server.url + "/health")[1])
-    assert health["requests_in_flight"] == 0
-    assert server.metrics()["pagedserve_requests_lost_total"] >= len(bodies) + len(stream_bodies)
+    after = server.metrics()
+    assert after["pagedserve_request_retries_total"] > before["pagedserve_request_retries_total"]
+    assert after.get("pagedserve_requests_lost_total", 0) == before.get("pagedserve_requests_lost_total", 0)
+    assert json.loads(get(server.url + "/health")[1])["requests_in_flight"] == 0
+    server.wait_blocks_free()
