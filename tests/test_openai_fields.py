@@ -106,3 +106,12 @@ def test_echo_with_max_tokens_0_scores_the_prompt():
     assert req.echo_only and req.params.max_tokens == 1 and req.params.echo
     assert req.params.prompt_logprobs == 2 and req.params.logprobs == 2
     assert completion(echo=True).params.prompt_logprobs is None  # echo alone needs no scoring
+
+
+def test_a_batch_of_prompts_becomes_one_engine_request_each():
+    req = completion(prompt=["a", [5, 6], "c"], n=2)
+    assert req.num_prompts == 3
+    gens = req.to_generates("cmpl-x")
+    assert [g.request_id for g in gens] == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2"]
+    assert [(g.prompt, g.prompt_token_ids) for g in gens] == [("a", None), (None, [5, 6]), ("c", None)]
+    assert completion(prompt=["solo"]).batch is None and completion(prompt=["solo"]).prompt == "solo"

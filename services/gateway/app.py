@@ -27,6 +27,7 @@ import time
 from aiohttp import web
 
 from services.gateway.admission import RETRY_AFTER_S, Admission
+from services.gateway.batch_stream import BatchStream
 from services.gateway.engine_client import EngineClient, EngineError, RequestStream, RequestTimeout
 from services.gateway.health import StageTracker
 from services.gateway.metrics import Metrics, RequestTimer
@@ -157,11 +158,15 @@ class Gateway:
         request_id = new_request_id(parsed.kind)
         out = ResponseBuilder(
             parsed.kind, request_id, self.served_model_name, parsed.include_usage, parsed.return_token_ids,
-            num_choices=parsed.params.n, params=parsed.params, echo_only=parsed.echo_only,
+            num_choices=parsed.params.n * parsed.num_prompts, params=parsed.params, echo_only=parsed.echo_only,
         )
-        timer = self.metrics.track(parsed.params.n)
+        timer = self.metrics.track(parsed.params.n * parsed.num_prompts)
+        if parsed.batch:
+            opened = BatchStream(self.client, parsed.to_generates(request_id), self.timeout_s, request_id)
+        else:
+            opened = self.client.open(parsed.to_generate(request_id), self.timeout_s)
         try:
-            async with self.client.open(parsed.to_generate(request_id), self.timeout_s) as stream:
+            async with opened as stream:
                 first = await stream.next()
                 if parsed.stream:
                     return await self._stream(request, stream, first, out, timer)
@@ -185,7 +190,7 @@ class Gateway:
         return ApiError(f"The request timed out after {self.timeout_s:g} s.", 504, error_type="timeout_error")
 
     async def _collect(
-        self, stream: RequestStream, msg: TextDelta, out: ResponseBuilder, timer: RequestTimer
+        self, stream: RequestStream | BatchStream, msg: TextDelta, out: ResponseBuilder, timer: RequestTimer
     ) -> web.Response:
         n = len(out.choices)
         texts: list[list[str]] = [[] for _ in range(n)]
@@ -198,13 +203,13 @@ class Gateway:
                 break
             msg = await stream.next()
         choices = [("".join(t), c.finish_reason, ids) for t, c, ids in zip(texts, out.choices, token_ids, strict=True)]
-        body = out.full(choices, out.usage(msg.num_prompt_tokens))
+        body = out.full(choices, out.usage())
         return web.json_response(body, dumps=_dumps)
 
     async def _stream(
         self,
         request: web.Request,
-        stream: RequestStream,
+        stream: RequestStream | BatchStream,
         msg: TextDelta,
         out: ResponseBuilder,
         timer: RequestTimer,
@@ -242,7 +247,7 @@ class Gateway:
                         break
                     msg = await stream.next()
                 if out.include_usage:
-                    await send(out.usage_chunk(out.usage(msg.num_prompt_tokens)))
+                    await send(out.usage_chunk(out.usage()))
             except EngineError as exc:
                 await send(_engine_api_error(exc).body())
             except RequestTimeout:

@@ -23,6 +23,7 @@ from services.gateway.logprob_format import chat_logprobs, completion_logprobs, 
 from shared.messages import ChatMessage, GenerateRequest, SamplingParams, TokenLogprob
 
 MAX_N = 16  # parallel samples or beams per request
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -84,12 +85,24 @@ class ParsedRequest:
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone
+    batch: list[tuple[str | None, list[int] | None]] | None = None  # several prompts: (text, ids) each
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.batch) if self.batch else 1
 
     def to_generate(self, request_id: str) -> GenerateRequest:
         return GenerateRequest(
             request_id=request_id, params=self.params, prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids, messages=self.messages,
         )
+
+    def to_generates(self, request_id: str) -> list[GenerateRequest]:
+        """One engine request per prompt of a batch (they share by prefix cache)."""
+        if not self.batch:
+            return [self.to_generate(request_id)]
+        return [GenerateRequest(request_id=f"{request_id}-{i}", params=self.params, prompt=text, prompt_token_ids=ids)
+                for i, (text, ids) in enumerate(self.batch)]
 
 
 def parse_json(raw: bytes) -> dict:
@@ -112,7 +125,8 @@ def parse_json(raw: bytes) -> dict:
 
 def parse_completion(body: dict, model_names: set[str]) -> ParsedRequest:
     _check_common(body, model_names, COMPLETION_FIELDS)
-    prompt, prompt_ids = _prompt(body)
+    prompts = _prompts(body)
+    (prompt, prompt_ids), batch = prompts[0], (prompts if len(prompts) > 1 else None)
     echo = _boolean(body, "echo", False)
     echo_only = echo and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
     # echo_only: the engine still runs one step (its token is dropped) to score the prompt
@@ -125,7 +139,7 @@ def parse_completion(body: dict, model_names: set[str]) -> ParsedRequest:
     params = _with_logprobs(body, _sampling(body, max_tokens), logprobs, prompt_logprobs, echo)
     return ParsedRequest(
         "completion", params, stream, include_usage, _boolean(body, "return_token_ids", False),
-        prompt=prompt, prompt_token_ids=prompt_ids, echo_only=echo_only,
+        prompt=prompt, prompt_token_ids=prompt_ids, echo_only=echo_only, batch=batch,
     )
 
 
@@ -372,28 +386,30 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, _boolean(options, "include_usage", True)  # as vLLM: options given mean usage wanted
 
 
-def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
-    """(text, None) or (None, token ids)."""
+def _prompts(body: dict) -> list[tuple[str | None, list[int] | None]]:
+    """Each prompt as (text, None) or (None, token ids): one prompt, or a batch of them."""
     prompt = body.get("prompt")
     if prompt is None:
         raise ApiError("'prompt' is required.", param="prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(f"Too many prompts in a batch: {len(prompt)}, at most {MAX_PROMPTS}.", param="prompt")
+        return [_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_prompt(prompt, "prompt")]
+
+
+def _prompt(prompt, where: str) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
         if not prompt:
-            raise ApiError("'prompt' must not be empty.", param="prompt")
+            raise ApiError(f"'{where}' must not be empty.", param="prompt")
         return prompt, None
     if not isinstance(prompt, list):
-        raise _wrong_type("prompt", "a string or an array of token ids", prompt)
+        raise _wrong_type("prompt", "a string, an array of token ids, or an array of those", prompt)
     if not prompt:
-        raise ApiError("'prompt' must not be empty.", param="prompt")
+        raise ApiError(f"'{where}' must not be empty.", param="prompt")
     if all(_is_token_id(t) for t in prompt):
         return None, prompt
-    if all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(
-            "Batched prompts are not supported: send one prompt per request.", param="prompt"
-        )
-    raise ApiError("'prompt' token ids must be non-negative integers.", param="prompt")
+    raise ApiError(f"'{where}' token ids must be non-negative integers.", param="prompt")
 
 
 def _messages(body: dict) -> list[ChatMessage]:
@@ -459,6 +475,8 @@ class ChoiceState:
     prompt_text: str | None = None  # echo
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     started: bool = False  # its first chunk went out (a stream echoes the prompt there)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 class ResponseBuilder:
@@ -483,12 +501,14 @@ class ResponseBuilder:
         self.logprobs = params.logprobs is not None
         self.prompt_logprobs = params.prompt_logprobs is not None and not (params.echo and self.logprobs)
         self.echo, self.echo_only = params.echo, echo_only
-        self.num_cached_tokens = 0
+        self.n = params.n if num_choices % params.n == 0 else 1
 
     def record(self, msg) -> bool:
         """Note a TextDelta's counts; True once every choice has finished."""
         choice = self.choices[msg.seq_index]
         choice.num_output_tokens = 0 if self.echo_only else msg.num_output_tokens
+        choice.num_prompt_tokens = msg.num_prompt_tokens
+        choice.num_cached_tokens = max(choice.num_cached_tokens, msg.num_cached_tokens)
         if msg.finish_reason is not None:
             choice.finish_reason = msg.finish_reason
             choice.stop_reason = msg.stop_reason
@@ -498,16 +518,17 @@ class ResponseBuilder:
             choice.prompt_logprobs = msg.prompt_logprobs
         if self.logprobs and not self.echo_only:
             choice.logprobs += msg.logprobs
-        self.num_cached_tokens = max(self.num_cached_tokens, msg.num_cached_tokens)
         return all(c.finish_reason is not None for c in self.choices)
 
     @property
     def num_output_tokens(self) -> int:
         return sum(c.num_output_tokens for c in self.choices)
 
-    def usage(self, prompt_tokens: int) -> dict:
-        out = usage(prompt_tokens, self.num_output_tokens)
-        out["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
+    def usage(self) -> dict:
+        """Prompt tokens count once per prompt (its n choices share it)."""
+        firsts = self.choices[:: self.n]
+        out = usage(sum(c.num_prompt_tokens for c in firsts), self.num_output_tokens)
+        out["prompt_tokens_details"] = {"cached_tokens": sum(c.num_cached_tokens for c in firsts)}
         return out
 
     def _envelope(self, obj: str, choices: list) -> dict:

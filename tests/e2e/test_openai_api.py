@@ -292,3 +292,40 @@ def test_echo_with_generation_and_vllm_prompt_logprobs(client, hf_model):
         assert abs(entry["logprob"] - float(ref[i - 1, PROMPT[i]])) < 1e-3
         assert entry["rank"] == int((ref[i - 1] > ref[i - 1, PROMPT[i]]).sum()) + 1
         assert len(plp[i]) in (2, 3)  # the token itself and the top 2
+
+
+# --- a batch of prompts ------------------------------------------------------------------------------
+
+
+def test_batch_prompts_with_n_2_index_choices_prompt_times_n_plus_sample(client, tiny_server):
+    prompts = ["The sky is", [17, 4021, 305], "Once upon a time"]
+    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True}) for p in prompts]
+    body = dict(model=MODEL, prompt=prompts, max_tokens=4, n=2, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**body)
+    assert [c.index for c in whole.choices] == list(range(6))
+    for c in whole.choices:
+        assert c.text == singles[c.index // 2].choices[0].text  # greedy: both samples alike
+    assert whole.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert whole.usage.completion_tokens == 6 * 4
+
+    texts: dict[int, str] = {}
+    finished = set()
+    for chunk in client.completions.create(**body, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == set(range(6)) and texts == {c.index: c.text for c in whole.choices}
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0) as c:
+            return await c.completions.create(**body)
+
+    assert [c.text for c in asyncio.run(run()).choices] == [c.text for c in whole.choices]
+
+
+def test_a_bad_prompt_in_a_batch_fails_the_batch(client, tiny_server):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=["fine", [1, 10**6]], max_tokens=2)
+    tiny_server.wait_blocks_free()
