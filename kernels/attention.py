@@ -36,6 +36,7 @@ class AttentionBackend:
     fused_add_rms_norm: Callable = reference.fused_add_rms_norm
     silu_and_mul: Callable = reference.silu_and_mul
     rope_and_cache: Callable = reference.rope_and_cache
+    int8_group_linear: Callable = reference.int8_group_linear
 
 
 _BACKENDS: dict[str, AttentionBackend] = {

@@ -172,3 +172,13 @@ def rope_and_cache(qkv: Tensor, positions: Tensor, cos_sin: Tensor, k_cache: Ten
     k = rotate(k.reshape(n, num_kv_heads, head_dim))
     (write_kv or write_kv_to_cache)(k, v.reshape(n, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
     return q
+
+
+# --- weight-only int8 linear with per-group scales (GGUF Q8_0 layout) ---
+
+
+def int8_group_linear(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
+    """x @ w.T in x's dtype for w[n, k] = scales[n, k // 32] * qweight[n, k] (int8), computed in float32."""
+    group = qweight.shape[1] // scales.shape[1]
+    w = qweight.float() * scales.repeat_interleave(group, dim=1)
+    return (x.float() @ w.t()).to(x.dtype)

@@ -4,8 +4,10 @@
   bfloat16 rounding of scale and zero); `auto` quantizes only such checkpoints.
 - The int4 matmul equals x @ dequantized(w).T within bfloat16 rounding.
 - A linear uses its int4 copy only for calls of at most `max_rows` rows.
+- A head already on a Q8_0 grid (SmolLM2's tied embedding) gets an int8 copy with its
+  own values, used for steps of at most `max_rows` sampled rows.
 - Loading with `quantization="auto"` quantizes a Q4_1-valued checkpoint and leaves
-  an ordinary one alone; the int4 model's logits stay close to float32's.
+  an ordinary one alone.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import reference
 from services.executor import quantization as q
 from services.executor.loader import load_model
 from services.executor.models.llama import Linear
@@ -95,6 +98,28 @@ def test_calibrate_returns_a_measured_row_count():
     assert rows in (0, 1, 2, 4)
 
 
+def q8_0_values(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """A float32 tensor whose groups of 32 hold GGUF Q8_0 values: d * q, q in -127..127, |q| = 127 somewhere."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(out_features, in_features // 32, 1, generator=g) * 0.01 + 1e-4).half().float()
+    codes = torch.randint(-127, 128, (out_features, in_features // 32, 32), generator=g).float()
+    codes[..., 0] = 127
+    return (codes * d).view(out_features, in_features)
+
+
+def test_q8_0_values_round_trip_exactly():
+    w = q8_0_values(64, 128)
+    assert q.on_8bit_grid(w)
+    assert not q.on_8bit_grid(q4_1_values(64, 128))
+    assert not q.on_8bit_grid(torch.randn(64, 128))
+    int8 = q.quantize_int8(w, reference.int8_group_linear)
+    assert int8.qweight.dtype == torch.int8 and int8.scales.shape == (64, 4)
+    back = int8.qweight.float() * int8.scales.repeat_interleave(32, dim=1)
+    assert torch.equal(back, w)  # float32 scales: the file's own values, bit for bit
+    x = torch.randn(3, 128)
+    assert torch.allclose(int8.matmul(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
 def _q4_1_checkpoint(src, dst):
     """A copy of the tiny model whose decoder weights are Q4_1 values (as a converted GGUF's are)."""
     import shutil
@@ -107,6 +132,8 @@ def _q4_1_checkpoint(src, dst):
         for i, (name, t) in enumerate(sorted(tensors.items())):
             if name.startswith("model.layers.") and t.dim() == 2:
                 tensors[name] = q4_1_values(*t.shape, seed=i).to(t.dtype)
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                tensors[name] = q8_0_values(*t.shape, seed=i).to(t.dtype)
         save_file(tensors, file, metadata={"format": "pt"})
     return dst
 
@@ -120,3 +147,20 @@ def test_load_auto_quantizes_only_a_4bit_checkpoint(tiny_model_dir, tmp_path):
     assert all(m.int4 is not None and m.int4.max_rows == 8 for m in linears)
     assert all(m.weight.dtype == torch.float32 for m in linears)
     assert q.on_4bit_grid(linears[0].weight.data)  # the dense copy keeps the checkpoint's values
+    assert model.head_int8 is not None and model.head_int8.max_rows == 8
+    assert plain.head_int8 is None
+
+
+def test_the_head_uses_its_int8_copy_only_up_to_max_rows(tiny_model_dir, tmp_path):
+    q4_dir = _q4_1_checkpoint(tiny_model_dir, tmp_path / "q4")
+    model = load_model(q4_dir, "float32", quantization="auto", int4_max_rows=2)
+    head = model.head_int8
+    x = torch.randn(4, head.qweight.shape[1])
+    dense = torch.nn.functional.linear(x, model.head_weight())
+    calls = []
+    head.op = lambda *a: calls.append(a[0].shape[0]) or reference.int8_group_linear(*a)
+    with torch.no_grad():
+        small, large = model.logits(x[:2]), model.logits(x)
+    assert calls == [2]  # the 4-row call went to the dense head
+    assert torch.allclose(small, dense[:2], rtol=1e-4, atol=1e-4)  # Q8_0 values: the same head
+    assert torch.equal(large, dense)

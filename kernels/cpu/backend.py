@@ -48,6 +48,11 @@ def make_backend(ext) -> AttentionBackend:
         head_dim = k_cache.shape[-1]
         return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
 
+    def int8_group_linear(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
+        out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
+        ext.int8_group_linear(out, x.contiguous(), qweight, scales)
+        return out
+
     return AttentionBackend(
         name="cpu",
         write_kv_to_cache=reference.write_kv_to_cache,
@@ -58,6 +63,7 @@ def make_backend(ext) -> AttentionBackend:
         fused_add_rms_norm=fused_add_rms_norm,
         silu_and_mul=silu_and_mul,
         rope_and_cache=rope_and_cache,
+        int8_group_linear=int8_group_linear,
     )
 
 

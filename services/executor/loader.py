@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from kernels.attention import AttentionBackend, get_backend
 from services.executor.models.llama import LlamaForCausalLM
-from services.executor.quantization import attach_int4, int4_copies
+from services.executor.quantization import attach_int4, attach_int8_head, int4_copies, int8_head_copy
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,11 @@ def load_model(
     with torch.no_grad():
         model.load_weights(iter_safetensors(model_dir))
         copies, why = int4_copies(model, quantization, device) if quantize else (None, "asked for none")
+        head, head_why = int8_head_copy(model, quantization, device) if quantize else (None, "asked for none")
         model = model.to(dtype)
         log.info("quantization %s -> %s: %s", quantization, "int4" if copies else "none", why)
         if copies:
             log.info(attach_int4(model, copies, dtype, int4_max_rows))
+        if head is not None:
+            log.info("head: %s; %s", head_why, attach_int8_head(model, head, dtype, int4_max_rows))
     return model.eval()

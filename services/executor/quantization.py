@@ -1,24 +1,28 @@
-"""Weight-only 4-bit linear layers for small CPU batches (`--quantization`).
+"""Weight-only 4-bit and 8-bit copies of the weights for small CPU steps (`--quantization`).
 
 A decode step of a few sequences is bound by reading the weights, not by arithmetic,
-so 4-bit weights (torch's `_weight_int4pack_mm_for_cpu`, bfloat16 activations) beat
-dense bfloat16/float32 there by the ratio of bytes read; for large batches the dense
-GEMM wins. A quantized linear therefore keeps both: the dense weight and an int4
-copy, and each call picks by its number of rows (`Int4Weight.max_rows`, measured
-once at load by `calibrate`, since the crossover is a property of the machine).
+so quantized weights beat dense bfloat16/float32 there by the ratio of bytes read;
+for large batches the dense GEMM wins. A quantized linear therefore keeps both: the
+dense weight and a quantized copy, and each call picks by its number of rows
+(`max_rows`, measured once at load by `calibrate`: the crossover is the machine's).
 
-Quantization is asymmetric, group size 32, min/max per group: exactly GGUF's Q4_1.
-A checkpoint converted from a Q4_1 GGUF (the default model) holds dequantized Q4_1
-values, so re-quantizing it gives back the file's own 4-bit blocks bit for bit
-(`on_4bit_grid` checks this); only the per-group scale and zero are rounded to
-bfloat16, which the kernel takes. `auto` quantizes only such checkpoints, so the
-default changes no model's weights beyond that rounding; `int4` quantizes any.
+- Decoder projections: int4, asymmetric, groups of 32, min/max per group: exactly
+  GGUF's Q4_1, run by torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations;
+  the per-group scale and zero are rounded to bfloat16, which the kernel takes).
+- The output head (the tied embedding, 49152 x 576 in SmolLM2): int8 with a float32
+  scale per group of 32, GGUF's Q8_0, run by the C++ backend's `int8_group_linear`.
+
+A checkpoint converted from a GGUF (the default model) holds dequantized Q4_1/Q8_0
+values, so re-quantizing gives back the file's own blocks bit for bit (`on_4bit_grid`,
+`on_8bit_grid` check this). `auto` quantizes only such tensors, so the default changes
+no model's weights beyond the int4 scales' rounding; `int4` quantizes any checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +49,20 @@ class Int4Weight:
         return y.to(x.dtype)
 
 
+@dataclass
+class Int8Weight:
+    """Int8 weight [out, in] with a float32 scale per group of 32 (GGUF Q8_0): w = scale * q.
+    `op` is the backend's `int8_group_linear`."""
+
+    qweight: Tensor
+    scales: Tensor
+    op: Callable[[Tensor, Tensor, Tensor], Tensor]
+    max_rows: int = 0
+
+    def matmul(self, x: Tensor) -> Tensor:
+        return self.op(x, self.qweight, self.scales)
+
+
 def supported(device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
 
@@ -57,6 +75,28 @@ def q4_1_codes(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     scale = (high - low) / 15
     codes = ((g - low) / scale.clamp(min=torch.finfo(torch.float32).tiny)).round().clamp(0, 15)
     return codes, scale, low
+
+
+def q8_0_codes(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(codes -127..127, scale) per group of 32, as float32 [out, in/32, 32|1]: weight ~ codes * scale."""
+    out_features, in_features = weight.shape
+    g = weight.float().view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    scale = g.abs().amax(-1, keepdim=True) / 127
+    codes = (g / scale.clamp(min=torch.finfo(torch.float32).tiny)).round().clamp(-127, 127)
+    return codes, scale
+
+
+def on_8bit_grid(weight: Tensor) -> bool:
+    """True when every group of 32 is a multiple of its largest magnitude / 127 (a dequantized Q8_0 tensor)."""
+    if not quantizable(weight):
+        return False
+    codes, scale = q8_0_codes(weight)
+    return bool(torch.equal((codes * scale).view_as(weight), weight.float()))
+
+
+def quantize_int8(weight: Tensor, op: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Int8Weight:
+    codes, scale = q8_0_codes(weight)
+    return Int8Weight(codes.to(torch.int8).flatten(1).contiguous(), scale.squeeze(-1).contiguous(), op)
 
 
 def quantizable(weight: Tensor) -> bool:
@@ -115,9 +155,9 @@ def _elapsed(fn) -> float:
 
 
 @torch.no_grad()
-def calibrate(layers: list[tuple[Tensor, Int4Weight]], dtype: torch.dtype,
+def calibrate(layers: list[tuple[Tensor, Int4Weight | Int8Weight]], dtype: torch.dtype,
               rows: tuple[int, ...] = CALIBRATION_ROWS, reps: int = 5) -> int:
-    """Largest row count at which the int4 copies beat the dense weights, timed over every
+    """Largest row count at which the quantized copies beat the dense weights, timed over every
     layer in turn (so weights stream from memory as in a real step); 0 if never.
 
     The two paths alternate and each keeps its best time, so other processes starting at
@@ -130,16 +170,17 @@ def calibrate(layers: list[tuple[Tensor, Int4Weight]], dtype: torch.dtype,
             for (w, _), x in zip(layers, inputs, strict=True):
                 torch.nn.functional.linear(x, w)
 
-        def int4(inputs=inputs):
+        def quantized(inputs=inputs):
             for (_, q), x in zip(layers, inputs, strict=True):
                 q.matmul(x)
 
-        dense(), int4()  # warm up both paths
-        t_dense = t_int4 = float("inf")
+        dense(), quantized()  # warm up both paths
+        t_dense = t_quant = float("inf")
         for _ in range(reps):
-            t_dense, t_int4 = min(t_dense, _elapsed(dense)), min(t_int4, _elapsed(int4))
-        log.info("int4 calibration: %d rows: dense %.2f ms, int4 %.2f ms", m, t_dense * 1e3, t_int4 * 1e3)
-        if t_int4 >= t_dense:
+            t_dense, t_quant = min(t_dense, _elapsed(dense)), min(t_quant, _elapsed(quantized))
+        log.info("calibration of %s: %d rows: dense %.2f ms, quantized %.2f ms", type(layers[0][1]).__name__, m,
+                 t_dense * 1e3, t_quant * 1e3)
+        if t_quant >= t_dense:
             break
         best = m
     return best
@@ -169,3 +210,28 @@ def attach_int4(model, copies: list[Int4Weight], dtype: torch.dtype, max_rows: i
         module.int4 = copy
     mib = sum(c.packed.nbytes + c.scales_zeros.nbytes for c in copies) / 2**20
     return f"int4 copies of {len(copies)} linears ({mib:.0f} MiB) serve steps of at most {max_rows} tokens"
+
+
+def int8_head_copy(model, mode: str, device: torch.device | str) -> tuple[Int8Weight | None, str]:
+    """An int8 copy of the output head (the tied embedding where it is tied) for small steps:
+    with `auto` only if the checkpoint holds it as Q8_0 (lossless), always with `int4`.
+    Like `int4_copies`, call it on the float32 model, before any cast."""
+    weight = model.head_weight().data
+    if mode == "none" or not supported(device) or not quantizable(weight):
+        return None, "not quantized"
+    if mode == "auto" and not on_8bit_grid(weight):
+        return None, "the checkpoint's head is not 8-bit; kept dense"
+    why = "already 8-bit (Q8_0 groups of 32): int8 loses nothing" if mode == "auto" else "asked for int4"
+    return quantize_int8(weight, model.backend.int8_group_linear), why
+
+
+def attach_int8_head(model, copy: Int8Weight, dtype: torch.dtype, max_rows: int | None = None) -> str:
+    """Give the model its head's int8 copy for steps of at most `max_rows` sampled rows (None: measured)."""
+    if max_rows is None:
+        max_rows = calibrate([(model.head_weight().data, copy)], dtype)
+        if max_rows == 0:
+            return f"int8 head not used: slower than {str(dtype).removeprefix('torch.')} even for one row"
+    copy.max_rows = max_rows
+    model.head_int8 = copy
+    mib = (copy.qweight.nbytes + copy.scales.nbytes) / 2**20
+    return f"int8 copy of the head ({mib:.0f} MiB) serves steps of at most {max_rows} sampled rows"

@@ -117,3 +117,28 @@ def test_rope_and_cache_rejects_a_slot_outside_the_pool():
     cos_sin = torch.zeros(8, 64)
     with pytest.raises(RuntimeError, match="outside the KV pool"):
         cpu.rope_and_cache(qkv, torch.tensor([0]), cos_sin, *caches, torch.tensor([32]), 1, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_int8_group_linear_matches_reference(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    qweight = torch.randint(-127, 128, (200, 96), generator=g, dtype=torch.int8)
+    scales = torch.rand(200, 3, generator=g) * 0.01
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    out = torch.empty(rows, 200, dtype=dtype)
+    ext.int8_group_linear(out, x, qweight, scales)
+    ref = reference.int8_group_linear(x, qweight, scales)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol * float(ref.float().abs().max()))
+    # the reference itself is plain float32 math on the dequantized weight
+    w = qweight.float() * scales.repeat_interleave(32, dim=1)
+    assert torch.allclose(ref.float(), (x.float() @ w.t()).to(dtype).float())
+
+
+def test_int8_group_linear_rejects_bad_shapes():
+    out = torch.empty(1, 8)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ext.int8_group_linear(out, torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8, 1))
+    with pytest.raises(RuntimeError, match="scales"):
+        ext.int8_group_linear(out, torch.randn(1, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 3))

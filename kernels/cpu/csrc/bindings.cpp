@@ -10,6 +10,7 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 void rope_and_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads);
+void int8_group_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales);
 }  // namespace pagedserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -18,4 +19,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &pagedserve::fused_add_rms_norm, "residual += x; x = weight * rms_norm(residual)");
   m.def("silu_and_mul", &pagedserve::silu_and_mul, "out = silu(gate) * up");
   m.def("rope_and_cache", &pagedserve::rope_and_cache, "RoPE on q and k in place; k and v into the cache");
+  m.def("int8_group_linear", &pagedserve::int8_group_linear, "x @ (scales per group of 32 * int8 weight).T");
 }

@@ -21,7 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.attention import AttentionBackend
 from services.executor.batch import BatchMetadata
-from services.executor.quantization import Int4Weight
+from services.executor.quantization import Int4Weight, Int8Weight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ACTIVATIONS = ("silu",)
@@ -195,6 +195,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, device)
         self.backend = backend
         self._cos_sin: Tensor | None = None
+        self.head_int8: Int8Weight | None = None  # see services.executor.quantization
 
     def cos_sin(self, dtype: torch.dtype) -> Tensor:
         if self._cos_sin is None or self._cos_sin.device != self.rotary.inv_freq.device:
@@ -211,8 +212,17 @@ class LlamaForCausalLM(nn.Module):
         rows = meta.sample_indices
         norm = self.model.norm
         x = self.backend.rms_norm(x[rows] + residual[rows], norm.weight, norm.eps)
-        head = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(x, head).float()
+        return self.logits(x)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Float32 logits of final hidden states: the head's int8 copy for few rows, if it has one."""
+        q = self.head_int8
+        if q is not None and x.shape[0] <= q.max_rows:
+            return q.matmul(x).float()
+        return F.linear(x, self.head_weight()).float()
+
+    def head_weight(self) -> Tensor:
+        return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
 
     def decoder_linears(self) -> list[Linear]:
         """The projections of every decoder layer (what `--quantization` applies to; not the head)."""
