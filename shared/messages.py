@@ -99,7 +99,26 @@ class WatchPool(Struct, tag=True):
     ttl_s: float = 3.0
 
 
-GatewayToTokenizer = GenerateRequest | AbortRequest | WatchPool
+class TokenizeRequest(Struct, tag=True):
+    """/tokenize (and /v1/models' max_model_len): a prompt or chat messages to token ids,
+    as a GenerateRequest of them would be; answered with a TokenizeResult."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    chat: ChatOptions | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Struct, tag=True):
+    """/detokenize: token ids to text; answered with a TokenizeResult holding the text."""
+
+    request_id: str
+    token_ids: list[int]
+
+
+GatewayToTokenizer = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | WatchPool
 
 
 # --- tokenizer -> gateway -------------------------------------------------------------
@@ -145,7 +164,15 @@ class RequestAccepted(Struct, tag=True):
     instance: str  # the replica process's instance id, as in its heartbeats
 
 
-TokenizerToGateway = TextDelta | RequestError | RequestAccepted
+class TokenizeResult(Struct, tag=True):
+    request_id: str
+    token_ids: list[int]
+    max_model_len: int
+    token_strs: list[str] | None = None
+    text: str | None = None  # a DetokenizeRequest's answer
+
+
+TokenizerToGateway = TextDelta | RequestError | RequestAccepted | TokenizeResult
 
 
 # --- tokenizer -> scheduler -----------------------------------------------------------

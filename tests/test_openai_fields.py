@@ -115,3 +115,16 @@ def test_a_batch_of_prompts_becomes_one_engine_request_each():
     assert [g.request_id for g in gens] == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2"]
     assert [(g.prompt, g.prompt_token_ids) for g in gens] == [("a", None), (None, [5, 6]), ("c", None)]
     assert completion(prompt=["solo"]).batch is None and completion(prompt=["solo"]).prompt == "solo"
+
+
+def test_chat_and_detokenizer_options():
+    req = chat(add_generation_prompt=False, continue_final_message=True, chat_template_kwargs={"enable": True},
+               skip_special_tokens=False, spaces_between_special_tokens=False, add_special_tokens=True)
+    assert req.chat.add_generation_prompt is False and req.chat.continue_final_message
+    assert req.chat.template_kwargs == {"enable": True} and req.add_special_tokens is True
+    assert not req.params.skip_special_tokens and not req.params.spaces_between_special_tokens
+    gen = req.to_generate("chatcmpl-1")
+    assert gen.chat == req.chat and gen.add_special_tokens is True
+    assert completion(add_special_tokens=False).to_generate("c").add_special_tokens is False
+    assert refused(chat, continue_final_message=True) == "continue_final_message"
+    assert refused(chat, chat_template_kwargs={"chat_template": "x"}) == "chat_template_kwargs"

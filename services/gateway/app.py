@@ -42,6 +42,7 @@ from services.gateway.openai_schema import (
 )
 from services.gateway.openapi import openapi_spec
 from services.gateway.options import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
+from services.gateway.tokenize_routes import TokenizeRoutes
 from shared.messages import TextDelta
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class Gateway:
         root = model_root or served_model_name
         self.model_root = os.path.basename(root.rstrip("/\\")) if os.path.isabs(root) else root
         self.created = int(time.time())
+        self.tokens = TokenizeRoutes(client, self.model_names, self._read_body, error_response)
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self.admission.middleware()])
@@ -107,6 +109,9 @@ class Gateway:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
+            web.post("/tokenize", self.tokens.tokenize),
+            web.post("/detokenize", self.tokens.detokenize),
+            web.get("/version", self.tokens.version),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics_page),
             web.get("/openapi.json", self.openapi),
@@ -128,6 +133,7 @@ class Gateway:
         card = {
             "id": self.served_model_name, "object": "model", "created": self.created,
             "owned_by": "pagedserve", "root": self.model_root, "parent": None,
+            "max_model_len": await self.tokens.context_length(),
         }
         return web.json_response({"object": "list", "data": [card]})
 

@@ -34,11 +34,14 @@ from services.gateway.routing import TokenizerRouter
 from shared.config import Addresses
 from shared.messages import (
     AbortRequest,
+    DetokenizeRequest,
     GatewayToTokenizer,
     GenerateRequest,
     RequestAccepted,
     RequestError,
     TextDelta,
+    TokenizeRequest,
+    TokenizeResult,
     TokenizerToGateway,
     WatchPool,
 )
@@ -91,6 +94,7 @@ class EngineClient:
         self._to_tokenizer = TokenizerRouter(AsyncRouterSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer), replicas)
         self._from_tokenizer = AsyncPullSocket(ctx, addrs.gateway_in, TokenizerToGateway, bind=True)
         self._streams: dict[str, RequestStream] = {}  # by pipeline id
+        self._calls: dict[str, asyncio.Future] = {}  # one-shot requests (/tokenize, /detokenize) by id
         self.on_retry = on_retry
 
     @property
@@ -112,6 +116,11 @@ class EngineClient:
                 log.exception("reading gateway_in failed")
                 await asyncio.sleep(0.1)
                 continue
+            call = self._calls.pop(msg.request_id, None)
+            if call is not None:
+                if not call.done():
+                    call.set_result(msg)
+                continue
             stream = self._streams.get(msg.request_id)
             if stream is None:
                 continue
@@ -130,6 +139,22 @@ class EngineClient:
         stream.queue.put_nowait(RequestError(
             stream.request_id, 408, "The client did not read the response fast enough; the request was aborted.",
             error_type="timeout_error"))
+
+    async def call(self, msg: TokenizeRequest | DetokenizeRequest, timeout_s: float) -> TokenizeResult:
+        """A one-shot request to any tokenizer replica and its answer (EngineError for a
+        RequestError, RequestTimeout past timeout_s)."""
+        answer = asyncio.get_running_loop().create_future()
+        self._calls[msg.request_id] = answer
+        try:
+            await asyncio.wait_for(self._to_tokenizer.send(msg), timeout_s)
+            reply = await asyncio.wait_for(answer, timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise RequestTimeout from exc
+        finally:
+            self._calls.pop(msg.request_id, None)
+        if isinstance(reply, RequestError):
+            raise EngineError(reply)
+        return reply
 
     def open(self, request: GenerateRequest, timeout_s: float) -> RequestStream:
         return RequestStream(self, request, time.monotonic() + timeout_s)

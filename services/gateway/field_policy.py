@@ -68,14 +68,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "samplers": (),
     "n_keep": (),
     "logit_bias_type": (),
-    # implemented in later steps of issue 11; refused until then
     "echo": (),  # read by /v1/completions; on chat (vLLM's meaning) refused
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "add_special_tokens": (),
-    "chat_template_kwargs": (),
-    "add_generation_prompt": (True,),
-    "continue_final_message": (),
 }
 MAX_LOGGED_NAMES = 256  # a client inventing names cannot grow the set without bound
 

@@ -20,7 +20,15 @@ import msgspec
 
 from services.gateway.field_policy import unsupported_field
 from services.gateway.logprob_format import chat_logprobs, completion_logprobs, prompt_logprobs
-from shared.messages import ChatMessage, GenerateRequest, SamplingParams, TokenLogprob
+from shared.messages import (
+    ChatMessage,
+    ChatOptions,
+    DetokenizeRequest,
+    GenerateRequest,
+    SamplingParams,
+    TokenizeRequest,
+    TokenLogprob,
+)
 
 MAX_N = 16  # parallel samples or beams per request
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
@@ -45,10 +53,18 @@ _COMMON_FIELDS = {
     "model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
     "include_stop_str_in_output", "use_beam_search", "beam_width", "length_penalty", "return_token_ids",
     "stream", "stream_options", "n_predict", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "logit_bias", "min_tokens", "allowed_token_ids", "logprobs", "prompt_logprobs",
+    "logit_bias", "min_tokens", "allowed_token_ids", "logprobs", "prompt_logprobs", "skip_special_tokens",
+    "spaces_between_special_tokens", "add_special_tokens",
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
+                                "add_generation_prompt", "continue_final_message"}
+# apply_chat_template's own arguments: not template variables a client may set
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 MAX_LOGPROBS = 20  # candidates per position, as vLLM's default max_logprobs
 
 
@@ -85,6 +101,8 @@ class ParsedRequest:
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone
+    chat: ChatOptions | None = None
+    add_special_tokens: bool | None = None
     batch: list[tuple[str | None, list[int] | None]] | None = None  # several prompts: (text, ids) each
 
     @property
@@ -94,14 +112,16 @@ class ParsedRequest:
     def to_generate(self, request_id: str) -> GenerateRequest:
         return GenerateRequest(
             request_id=request_id, params=self.params, prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids, messages=self.messages,
+            prompt_token_ids=self.prompt_token_ids, messages=self.messages, chat=self.chat,
+            add_special_tokens=self.add_special_tokens,
         )
 
     def to_generates(self, request_id: str) -> list[GenerateRequest]:
         """One engine request per prompt of a batch (they share by prefix cache)."""
         if not self.batch:
             return [self.to_generate(request_id)]
-        return [GenerateRequest(request_id=f"{request_id}-{i}", params=self.params, prompt=text, prompt_token_ids=ids)
+        return [GenerateRequest(request_id=f"{request_id}-{i}", params=self.params, prompt=text, prompt_token_ids=ids,
+                                add_special_tokens=self.add_special_tokens)
                 for i, (text, ids) in enumerate(self.batch)]
 
 
@@ -140,6 +160,7 @@ def parse_completion(body: dict, model_names: set[str]) -> ParsedRequest:
     return ParsedRequest(
         "completion", params, stream, include_usage, _boolean(body, "return_token_ids", False),
         prompt=prompt, prompt_token_ids=prompt_ids, echo_only=echo_only, batch=batch,
+        add_special_tokens=_boolean(body, "add_special_tokens", None),
     )
 
 
@@ -160,8 +181,47 @@ def parse_chat(body: dict, model_names: set[str]) -> ParsedRequest:
                             _logprob_count(body, "prompt_logprobs"), False)
     return ParsedRequest(
         "chat", params, stream, include_usage, _boolean(body, "return_token_ids", False),
-        messages=messages,
+        messages=messages, chat=chat_options(body), add_special_tokens=_boolean(body, "add_special_tokens", None),
     )
+
+
+def parse_tokenize(body: dict, model_names: set[str], request_id: str) -> TokenizeRequest:
+    """vLLM's /tokenize: a prompt, or chat messages with the chat fields."""
+    _check_model(body, model_names)
+    add_special = _boolean(body, "add_special_tokens", None)
+    strs = _boolean(body, "return_token_strs", False)
+    if body.get("messages") is not None:
+        return TokenizeRequest(request_id, messages=_messages(body), chat=chat_options(body),
+                               add_special_tokens=add_special, return_token_strs=strs)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise _wrong_type("prompt", "a string (or send 'messages')", prompt)
+    return TokenizeRequest(request_id, prompt=prompt, add_special_tokens=add_special, return_token_strs=strs)
+
+
+def parse_detokenize(body: dict, model_names: set[str], request_id: str) -> DetokenizeRequest:
+    _check_model(body, model_names)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_token_id(t) for t in tokens):
+        raise _wrong_type("tokens", "an array of token ids", tokens)
+    return DetokenizeRequest(request_id, tokens)
+
+
+def chat_options(body: dict) -> ChatOptions:
+    """vLLM's chat fields: add_generation_prompt, continue_final_message, chat_template_kwargs."""
+    add = _boolean(body, "add_generation_prompt", True)
+    cont = _boolean(body, "continue_final_message", False)
+    if add and cont:
+        raise ApiError("'continue_final_message' needs 'add_generation_prompt': false.", param="continue_final_message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise _wrong_type("chat_template_kwargs", "an object", kwargs)
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise ApiError(f"'chat_template_kwargs' may not set {', '.join(reserved)}.", param="chat_template_kwargs")
+    return ChatOptions(add_generation_prompt=add, continue_final_message=cont, template_kwargs=kwargs)
 
 
 def _logprob_count(body: dict, name: str) -> int | None:
@@ -176,7 +236,10 @@ def _with_logprobs(body: dict, params: SamplingParams, logprobs: int | None, pro
     if params.use_beam_search and (logprobs is not None or prompt_logprobs is not None):
         name = "logprobs" if logprobs is not None else "prompt_logprobs"
         raise ApiError(f"'{name}' cannot be combined with beam search.", param=name)
-    return msgspec.structs.replace(params, logprobs=logprobs, prompt_logprobs=prompt_logprobs, echo=echo)
+    return msgspec.structs.replace(
+        params, logprobs=logprobs, prompt_logprobs=prompt_logprobs, echo=echo,
+        skip_special_tokens=_boolean(body, "skip_special_tokens", True),
+        spaces_between_special_tokens=_boolean(body, "spaces_between_special_tokens", True))
 
 
 # --- field readers --------------------------------------------------------------------
@@ -230,6 +293,11 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
 
 
 def _check_common(body: dict, model_names: set[str], known: set[str]) -> None:
+    _check_model(body, model_names)
+    _check_fields(body, known)
+
+
+def _check_model(body: dict, model_names: set[str]) -> None:
     model = body.get("model")
     if model is not None:
         if not isinstance(model, str):
@@ -240,6 +308,9 @@ def _check_common(body: dict, model_names: set[str], known: set[str]) -> None:
                 f"The model `{model}` does not exist. This server serves: {served}.", 404,
                 param="model", code="model_not_found",
             )
+
+
+def _check_fields(body: dict, known: set[str]) -> None:
     n = _integer(body, "n", 1)
     if not 1 <= n <= MAX_N:
         raise ApiError(f"'n' must be between 1 and {MAX_N}, got {n}.", param="n")

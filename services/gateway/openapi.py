@@ -94,6 +94,9 @@ def _sampling(model_names: list[str]) -> dict:
         "ignore_eos": _nullable({"type": "boolean"}),
         "include_stop_str_in_output": _nullable({"type": "boolean"}),
         "return_token_ids": _nullable({"type": "boolean"}),
+        "skip_special_tokens": _nullable({"type": "boolean"}),
+        "spaces_between_special_tokens": _nullable({"type": "boolean"}),
+        "add_special_tokens": _nullable({"type": "boolean"}),
         "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
                                       "description": "vLLM's: each prompt token's logprob and this many top ones"}),
         "stream": _nullable({"type": "boolean"}),
@@ -111,6 +114,55 @@ def _completion_request(model_names: list[str]) -> dict:
                                                                                 "alone, scored"})}}
 
 
+_CHAT_OPTIONS = {
+    "add_generation_prompt": _nullable({"type": "boolean"}),
+    "continue_final_message": _nullable({"type": "boolean", "description": "needs add_generation_prompt false"}),
+    "chat_template_kwargs": _nullable({"type": "object", "description": "variables for the chat template"}),
+}
+
+
+def _chat_message() -> dict:
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+    return {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string", "enum": list(CHAT_ROLES)},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}], "nullable": True},
+        "name": {"type": "string"},
+    }}
+
+
+def _tokenize_paths(model_names: list[str]) -> dict:
+    model = _nullable({"type": "string", "enum": model_names})
+    errors = {k: _GENERATION_ERRORS[k] for k in ("400", "401", "404", "413", "415", "503")}
+    tokenize = {"type": "object", "properties": {
+        "model": model, "prompt": {"type": "string"}, "messages": {"type": "array", "minItems": 1,
+                                                                   "items": _chat_message()},
+        "add_special_tokens": _nullable({"type": "boolean"}), "return_token_strs": _nullable({"type": "boolean"}),
+        **_CHAT_OPTIONS}}
+    detokenize = {"type": "object", "required": ["tokens"], "properties": {
+        "model": model, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                             "maximum": _INT64_MAX}}}}
+
+    def post(summary: str, schema: dict, answer: dict) -> dict:
+        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": schema}}}, "responses": {"200": {"description": "The answer", "content": {
+                "application/json": {"schema": answer}}}, **errors}}}
+
+    return {
+        "/tokenize": post("Token ids of a prompt or of chat messages (vLLM's shape)", tokenize, {
+            "type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+                "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                "tokens": {"type": "array", "items": {"type": "integer"}},
+                "token_strs": _nullable({"type": "array", "items": {"type": "string"}})}}),
+        "/detokenize": post("Text of token ids (vLLM's shape)", detokenize, {
+            "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}),
+        "/version": {"get": {"summary": "The server's version", "responses": {
+            "200": {"description": "Version", "content": {"application/json": {"schema": {
+                "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}},
+            "401": _GENERATION_ERRORS["401"]}}},
+    }
+
+
 def _chat_request(model_names: list[str]) -> dict:
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
@@ -123,6 +175,7 @@ def _chat_request(model_names: list[str]) -> dict:
         "messages": {"type": "array", "minItems": 1, "items": message},
         "logprobs": _nullable({"type": "boolean"}),
         "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+        **_CHAT_OPTIONS,
         "max_completion_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": _INT64_MAX}),
         **_sampling(model_names),
     }}
@@ -190,6 +243,7 @@ def openapi_spec(model_names: list[str], secured: bool, metrics_public: bool = F
         "paths": {
             "/v1/completions": _generation("Complete a prompt", _completion_request(model_names), "Completion"),
             "/v1/chat/completions": _generation("Answer a chat", _chat_request(model_names), "ChatCompletion"),
+            **_tokenize_paths(model_names),
             "/v1/models": {"get": {"summary": "The served model", "responses": {
                 "200": {"description": "Models", "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/ModelList"}}}},

@@ -32,9 +32,13 @@ class Detokenizer:
         params: SamplingParams,
         prompt_token_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        # only slow (Python) tokenizers put spaces around special tokens; fast ones never do
+        self._extra = ({} if getattr(tokenizer, "is_fast", True)
+                       else {"spaces_between_special_tokens": spaces_between_special_tokens})
         self._stops = [s for s in params.stop if s]
         self._include_stop = params.include_stop_str_in_output
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -69,7 +73,7 @@ class Detokenizer:
         if not tokens:
             return ""
         return self._tokenizer.decode(
-            tokens, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
+            tokens, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False, **self._extra
         )
 
     def _decode_new(self, final: bool) -> None:

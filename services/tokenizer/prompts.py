@@ -1,7 +1,10 @@
 """Turn a GenerateRequest into prompt token ids, or a 400 that says what is wrong.
 
-Chat messages go through the model's chat template (with the assistant turn opened);
-a text prompt is tokenized as the tokenizer does by default; token ids are checked
+Chat messages go through the model's chat template (with the assistant turn opened,
+unless add_generation_prompt is false or continue_final_message leaves the last
+assistant message open; chat_template_kwargs are the template's variables), with no
+special tokens added beyond the template's; a text prompt is tokenized as the tokenizer
+does by default (add_special_tokens true); token ids are checked
 against the vocabulary. Every prompt must leave room for max_tokens in the context;
 a request without max_tokens (None) gets the rest of the context (`resolve_max_tokens`).
 """
@@ -11,7 +14,7 @@ from __future__ import annotations
 import msgspec
 from jinja2 import TemplateError
 
-from shared.messages import GenerateRequest, SamplingParams
+from shared.messages import ChatMessage, ChatOptions, GenerateRequest, SamplingParams, TokenizeRequest
 
 
 class PromptError(ValueError):
@@ -28,15 +31,19 @@ class PromptBuilder:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
-    def build(self, req: GenerateRequest) -> list[int]:
+    def tokenize(self, req: GenerateRequest | TokenizeRequest) -> tuple[list[int], str]:
+        """(token ids, "prompt" or "messages"), unchecked for length."""
         if req.messages is not None:
-            ids, what = self._chat(req), "messages"
-        elif req.prompt_token_ids is not None:
-            ids, what = self._check_ids(req.prompt_token_ids), "prompt"
-        elif req.prompt is not None:
-            ids, what = self.tokenizer.encode(req.prompt), "prompt"
-        else:
-            raise PromptError("The request has no prompt and no messages.", "prompt")
+            return self._chat(req.messages, req.chat or ChatOptions(), req.add_special_tokens), "messages"
+        if getattr(req, "prompt_token_ids", None) is not None:
+            return self.check_ids(req.prompt_token_ids), "prompt"
+        if req.prompt is not None:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            return self.tokenizer.encode(req.prompt, add_special_tokens=add), "prompt"
+        raise PromptError("The request has no prompt and no messages.", "prompt")
+
+    def build(self, req: GenerateRequest) -> list[int]:
+        ids, what = self.tokenize(req)
         if not ids:
             raise PromptError(f"The {what} is empty: at least one token is needed.", what)
         self._check_length(len(ids), req.params.max_tokens, what)
@@ -52,23 +59,27 @@ class PromptBuilder:
                 raise PromptError(f"'{name}' holds token id {bad}, outside the vocabulary [0, {self.vocab_size}).",
                                   name)
 
-    def _chat(self, req: GenerateRequest) -> list[int]:
-        if not req.messages:
+    def _chat(self, messages: list[ChatMessage], chat: ChatOptions, add_special_tokens: bool | None) -> list[int]:
+        if not messages:
             raise PromptError("messages must hold at least one message.", "messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise PromptError("This model has no chat template: use /v1/completions.", "messages")
+        if chat.continue_final_message and messages[-1].role != "assistant":
+            raise PromptError("continue_final_message needs the last message to be the assistant's.", "messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in req.messages],
-                add_generation_prompt=True,
+                [{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
                 tokenize=False,
+                **chat.template_kwargs,
             )
-        except TemplateError as exc:  # templates raise on conversations they reject
+        except (TemplateError, ValueError, TypeError) as exc:  # templates raise on conversations they reject
             raise PromptError(f"The chat template rejected the messages: {exc}", "messages") from exc
         # The template already writes every special token the model expects.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
 
-    def _check_ids(self, ids: list[int]) -> list[int]:
+    def check_ids(self, ids: list[int]) -> list[int]:
         for tok in ids:
             if not 0 <= tok < self.vocab_size:
                 raise PromptError(

@@ -21,6 +21,7 @@ from services.tokenizer.prompts import PromptBuilder, PromptError
 from services.tokenizer.token_text import TokenTexts
 from shared.messages import (
     AbortRequest,
+    DetokenizeRequest,
     FinishRequest,
     GatewayToTokenizer,
     GenerateRequest,
@@ -29,6 +30,8 @@ from shared.messages import (
     TextDelta,
     TokenDelta,
     TokenizedRequest,
+    TokenizeRequest,
+    TokenizeResult,
     TokenizerToGateway,
     TokenizerToScheduler,
     TokenLogprob,
@@ -57,8 +60,9 @@ class _Active:
 
     def detok(self, seq_index: int) -> Detokenizer:
         if seq_index not in self.detoks:
-            self.detoks[seq_index] = Detokenizer(self.tokenizer, self.params, self.prompt_ids,
-                                                 skip_special_tokens=self.params.skip_special_tokens)
+            self.detoks[seq_index] = Detokenizer(
+                self.tokenizer, self.params, self.prompt_ids, skip_special_tokens=self.params.skip_special_tokens,
+                spaces_between_special_tokens=self.params.spaces_between_special_tokens)
         return self.detoks[seq_index]
 
     @property
@@ -103,8 +107,26 @@ class TokenizerStage:
         if isinstance(msg, AbortRequest):
             self.active.pop(msg.request_id, None)
             self._to_scheduler(msg)
+        elif isinstance(msg, TokenizeRequest | DetokenizeRequest):
+            self._on_tokenize(msg)
+        else:
+            self._on_generate(msg)
+
+    def _on_tokenize(self, msg: TokenizeRequest | DetokenizeRequest) -> None:
+        """/tokenize and /detokenize: answered at once, nothing kept."""
+        limit = self.prompts.max_model_len
+        try:
+            if isinstance(msg, DetokenizeRequest):
+                ids = self.prompts.check_ids(msg.token_ids)
+                text = self.tokenizer.decode(ids)
+                self._to_gateway(TokenizeResult(msg.request_id, [], limit, text=text))
+                return
+            ids = self.prompts.tokenize(msg)[0] if (msg.prompt or msg.messages) else []
+        except PromptError as exc:
+            self._to_gateway(RequestError(msg.request_id, 400, str(exc), param=exc.param))
             return
-        self._on_generate(msg)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if msg.return_token_strs else None
+        self._to_gateway(TokenizeResult(msg.request_id, ids, limit, token_strs=strs))
 
     def _on_generate(self, req: GenerateRequest) -> None:
         if req.request_id in self.active:

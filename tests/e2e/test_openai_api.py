@@ -329,3 +329,91 @@ def test_a_bad_prompt_in_a_batch_fails_the_batch(client, tiny_server):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=["fine", [1, 10**6]], max_tokens=2)
     tiny_server.wait_blocks_free()
+
+
+# --- endpoints, chat options, detokenizer options, stop_reason ---------------------------------------
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_tokenize_detokenize_version_and_models(tiny_server, tiny_model_dir, max_model_len, client):
+    from transformers import AutoTokenizer
+
+    from tests.helpers import get
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    status, out = _post(tiny_server.url + "/tokenize", {"model": MODEL, "prompt": "Hello world",
+                                                         "return_token_strs": True})
+    assert status == 200 and out["tokens"] == tok.encode("Hello world") and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == max_model_len and out["token_strs"] == tok.convert_ids_to_tokens(out["tokens"])
+    messages = [{"role": "user", "content": "Hi"}]
+    status, chat = _post(tiny_server.url + "/tokenize", {"messages": messages, "add_generation_prompt": True})
+    want = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)
+    assert status == 200 and chat["tokens"] == want
+    served = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert served.usage.prompt_tokens == len(want)  # the same ids a chat request runs
+    status, back = _post(tiny_server.url + "/detokenize", {"model": MODEL, "tokens": out["tokens"]})
+    assert status == 200 and back == {"prompt": "Hello world"}
+    assert _post(tiny_server.url + "/detokenize", {"tokens": [10**7]})[0] == 400
+    assert _post(tiny_server.url + "/tokenize", {"model": "nope", "prompt": "x"})[0] == 404
+    status, body = get(tiny_server.url + "/version")
+    assert status == 200 and "version" in body
+    (card,) = client.models.list().data
+    assert card.id == MODEL and card.model_extra["max_model_len"] == max_model_len
+
+
+def test_chat_template_options(tiny_server, tiny_model_dir, client):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    for fields, kwargs in (({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+                           ({"add_generation_prompt": False, "continue_final_message": True},
+                            {"continue_final_message": True})):
+        want = tok.encode(tok.apply_chat_template(messages, tokenize=False, **kwargs), add_special_tokens=False)
+        status, out = _post(tiny_server.url + "/tokenize", {"messages": messages, **fields})
+        assert status == 200 and out["tokens"] == want
+        served = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body=fields)
+        assert served.usage.prompt_tokens == len(want)
+    status, out = _post(tiny_server.url + "/tokenize", {"messages": messages, "chat_template_kwargs": {"x": 1}})
+    assert status == 200
+    for bad in ({"continue_final_message": True}, {"chat_template_kwargs": {"tokenize": True}},
+                {"chat_template_kwargs": [1]}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body=bad)
+        assert info.value.body["param"] in bad
+
+
+def test_skip_special_tokens_and_stop_reason(client, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    special = tok.convert_tokens_to_ids("<|im_end|>")
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    extra = {"ignore_eos": True, "logit_bias": {str(special): 100}, "return_token_ids": True}
+    shown = client.completions.create(**body, extra_body={**extra, "skip_special_tokens": False}).choices[0]
+    hidden = client.completions.create(**body, extra_body=extra).choices[0]
+    assert shown.model_extra["token_ids"] == [special] * 3
+    assert shown.text == "<|im_end|>" * 3 and hidden.text == ""
+    by_id = client.completions.create(**body, extra_body={**extra, "stop_token_ids": [special]}).choices[0]
+    assert by_id.finish_reason == "stop" and by_id.model_extra["stop_reason"] == special
+    for prompt in ("The sky is", "Once upon a time", "1, 2, 3,", PROMPT):  # one whose output shows text
+        body = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+        plain = client.completions.create(**body, extra_body={"ignore_eos": True}).choices[0]
+        if len(plain.text) >= 3:
+            break
+    assert plain.finish_reason == "length" and plain.model_extra["stop_reason"] is None
+    stop = plain.text[1:3]
+    by_str = client.completions.create(**body, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert by_str.finish_reason == "stop" and by_str.model_extra["stop_reason"] == stop
