@@ -19,7 +19,8 @@ Requests in flight when the run was cancelled stay in the queue to its end.
 `closed_loop` picks the steady window of a closed loop at concurrency C: it drops the
 first C requests (the first wave, which all start together on an idle server) and
 counts output tokens of requests finishing between the end of that wave and the start
-of the last request (after which fewer than C clients remain).
+of the last request (after which fewer than C clients remain); a window holding less
+than a wave of completions gives no figure.
 """
 
 from __future__ import annotations
@@ -94,12 +95,15 @@ class ClosedLoopWindow:
     start_s: float
     end_s: float
     output_tokens: int  # of requests that finished inside the window
+    completions: int  # requests that finished inside the window
+    concurrency: int
     measured: list[RequestResult]  # every request after the first wave
 
     @property
     def output_throughput(self) -> float | None:
+        """None when the window holds less than a wave of completions (too short to mean anything)."""
         span = self.end_s - self.start_s
-        return self.output_tokens / span if span > 0 and self.output_tokens else None
+        return self.output_tokens / span if span > 0 and self.completions >= self.concurrency else None
 
 
 def closed_loop(results: list[RequestResult], concurrency: int) -> ClosedLoopWindow:
@@ -111,5 +115,6 @@ def closed_loop(results: list[RequestResult], concurrency: int) -> ClosedLoopWin
     first_done = [r.start + r.e2e for r in first_wave if r.e2e is not None]
     start = max(first_done) if first_done else min(r.start for r in rest)
     end = max(r.start for r in rest)
-    tokens = sum(r.output_tokens for r in ordered if r.ok and start < r.start + r.e2e <= end)
-    return ClosedLoopWindow(start_s=start, end_s=end, output_tokens=tokens, measured=rest)
+    inside = [r for r in ordered if r.ok and start < r.start + r.e2e <= end]
+    return ClosedLoopWindow(start_s=start, end_s=end, output_tokens=sum(r.output_tokens for r in inside),
+                            completions=len(inside), concurrency=concurrency, measured=rest)

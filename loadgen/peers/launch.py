@@ -1,8 +1,9 @@
 """Start a peer as a process group on a free 127.0.0.1 port, wait until it answers, stop it.
 
-pagedserve runs from this interpreter; the others from the peers' venv, with the model
-files this venv resolves (`resolve_model("smollm2")` and the GGUF it was converted from),
-so every peer reads the same weights.
+pagedserve runs from this interpreter; vLLM from its own venv (setup_vllm.sh); the others
+from the peers' venv; all with the model files this venv resolves (`resolve_model("smollm2")`
+and the GGUF it was converted from), so every peer reads the same weights. `options` are
+extra flags for the peer's own launcher (e.g. llama.cpp's `--parallel 64 --split-kv`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ("pagedserve", "transformers", "transformers-cb", "llamacpp")
+KINDS = ("pagedserve", "transformers", "transformers-cb", "llamacpp", "vllm")
 
 
 def peers_python() -> Path:
@@ -30,19 +31,41 @@ def peers_python() -> Path:
     return python
 
 
+def vllm_python() -> Path | None:
+    """The python of a venv with vLLM: $LOADGEN_VLLM_VENV, .venv-vllm, or the peers' venv if it has it."""
+    if "LOADGEN_VLLM_VENV" in os.environ:
+        candidates = [Path(os.environ["LOADGEN_VLLM_VENV"])]
+    else:
+        candidates = [ROOT / ".venv-vllm", Path(os.environ.get("LOADGEN_PEERS_VENV", ROOT / ".venv-peers"))]
+    for venv in candidates:
+        python = venv / "bin" / "python"
+        if python.exists() and any((venv / "lib").glob("python3*/site-packages/vllm/__init__.py")):
+            return python
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def command(kind: str, port: int, threads: int | None = None) -> list[str]:
-    """The command line; `threads` sets every server's compute threads alike (default: its own)."""
+def command(kind: str, port: int, threads: int | None = None, options: tuple[str, ...] = (),
+            model: str = "smollm2") -> list[str]:
+    """The command line; `threads` sets every server's compute threads alike (default: its own);
+    `model` is pagedserve's (the peers always serve SmolLM2)."""
     from shared.model_files import resolve_model, smollm2_gguf_path
 
     extra = [] if threads is None else [f"--{'executor-threads' if kind == 'pagedserve' else 'threads'}", str(threads)]
+    extra += list(options)
     if kind == "pagedserve":
-        return [sys.executable, "-m", "services.cli", "serve", "--model", "smollm2", "--port", str(port), *extra]
+        return [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", str(port), *extra]
+    if kind == "vllm":
+        python = vllm_python()
+        if python is None:
+            raise SystemExit("no venv with vLLM: run `bash loadgen/peers/setup_vllm.sh` first")
+        return [str(python), "-m", "loadgen.peers.vllm_server", "--port", str(port),
+                "--model-dir", str(resolve_model("smollm2")), *extra]
     if kind in ("transformers", "transformers-cb"):
         cmd = [str(peers_python()), "-m", "loadgen.peers.transformers_serve", "--port", str(port),
                "--model-dir", str(resolve_model("smollm2"))]
@@ -57,12 +80,13 @@ class Peer:
     """`with Peer("llamacpp", log_dir) as peer:` ... `peer.url`."""
 
     def __init__(self, kind: str, log_dir: Path, port: int | None = None, threads: int | None = None,
-                 startup_timeout: float = 300.0) -> None:
+                 startup_timeout: float = 300.0, options: tuple[str, ...] = (), model: str = "smollm2",
+                 log_name: str | None = None) -> None:
         self.kind = kind
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = command(kind, self.port, threads)
-        self.log_path = Path(log_dir) / f"peer-{kind}.log"
+        self.cmd = command(kind, self.port, threads, options, model)
+        self.log_path = Path(log_dir) / f"peer-{log_name or kind}.log"
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
 

@@ -39,7 +39,9 @@ def test_peer_commands_share_threads_and_weights(tmp_path, monkeypatch):
     assert Path(llama[llama.index("--gguf") + 1]).name == SMOLLM2_GGUF
     assert "--threads" not in launch.command("llamacpp", 9002)
     with pytest.raises(ValueError):
-        launch.command("vllm", 9003)
+        launch.command("sglang", 9003)
+    split = launch.command("llamacpp", 9004, options=("--parallel", "64", "--split-kv"))
+    assert split[-3:] == ["--parallel", "64", "--split-kv"]
 
 
 def test_missing_peers_venv_says_how_to_make_it(tmp_path, monkeypatch):

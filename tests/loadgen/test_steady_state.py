@@ -95,5 +95,6 @@ def test_closed_loop_window_drops_the_first_wave():
     window = steady.closed_loop(results, 4)
     assert len(window.measured) == 20 and window.start_s == pytest.approx(SERVICE)
     assert window.output_throughput == pytest.approx(4 * TOKENS / SERVICE)
+    assert steady.closed_loop(results[:6], 4).output_throughput is None  # less than a wave inside the window
     with pytest.raises(ValueError, match="first wave"):
         steady.closed_loop(results[:4], 4)

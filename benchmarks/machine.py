@@ -1,0 +1,82 @@
+"""What a serving benchmark on this machine is bounded by: the CPU, its vector and matrix
+instructions, torch's threads, and the GEMM rate torch reaches for a model's shapes.
+
+`gemm_rate` times `F.linear` of `rows` activations by a weight of the model's MLP shape
+(intermediate x hidden), the bulk of a decoder's matmuls, and returns GFLOP/s
+(2 x rows x in x out per call). `matmul_params` counts the weights a token multiplies by
+(every decoder Linear and the LM head): a decode step of B tokens does 2 x B x that many
+FLOPs, so GEMM rate / (2 x params) is the tok/s those matmuls allow.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+FLAG_GROUPS = {"AVX2": ("avx2",), "AVX-512": ("avx512f",), "AVX512-BF16": ("avx512_bf16",),
+               "AVX512-VNNI": ("avx512_vnni",), "AMX": ("amx_tile", "amx_bf16")}
+
+
+def cpu_info() -> dict:
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("unknown", "x86_64", ""):
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    have = {name: all(f in flags for f in need) for name, need in FLAG_GROUPS.items()}
+    return {"model": model, "cores": os.cpu_count(), "features": have,
+            "summary": ", ".join(name if ok else f"no {name}" for name, ok in have.items()),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def gemm_rate(rows: int, in_features: int, out_features: int, dtype: torch.dtype, seconds: float = 0.3) -> float:
+    """GFLOP/s of `F.linear` on (rows x in) by (out x in), median of repeated timings."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    w = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    for _ in range(3):
+        F.linear(x, w)
+    times: list[float] = []
+    budget = time.perf_counter() + seconds
+    while time.perf_counter() < budget or len(times) < 5:
+        start = time.perf_counter()
+        F.linear(x, w)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return 2 * rows * in_features * out_features / times[len(times) // 2] / 1e9
+
+
+def matmul_params(config) -> int:
+    """Weights a token is multiplied by: attention and MLP projections of every layer, and the LM head."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    kv = config.num_key_value_heads * head_dim
+    per_layer = hidden * q + 2 * hidden * kv + q * hidden + 3 * hidden * inter
+    return config.num_hidden_layers * per_layer + config.vocab_size * hidden
+
+
+def gemm_table(config, rows: tuple[int, ...] = (64, 1024), dtypes=(torch.float32, torch.bfloat16),
+               seconds: float = 0.3) -> list[dict]:
+    """GEMM rate at each (rows, dtype) on the model's MLP shape, with the tok/s it allows."""
+    params = matmul_params(config)
+    out = []
+    for dtype in dtypes:
+        for r in rows:
+            rate = gemm_rate(r, config.hidden_size, config.intermediate_size, dtype, seconds)
+            out.append({"dtype": str(dtype).removeprefix("torch."), "rows": r, "gflops": rate,
+                        "shape": [config.intermediate_size, config.hidden_size], "matmul_params": params,
+                        "tok_s_ceiling": rate * 1e9 / (2 * params)})
+    return out

