@@ -74,9 +74,15 @@ def wait_for(driver, condition, what: str, timeout_s: float = 15.0):
 
 
 def counts(driver) -> dict[str, int]:
-    """The legend's block counts of the first engine panel, as the page shows them."""
-    found = driver.find_elements("css selector", "section.engine .legend b[data-count]")
-    return {b.get_attribute("data-count"): int(b.text.replace(",", "")) for b in found}
+    """The legend's block counts of the first engine panel, as the page shows them (read in
+    one script, so all from the same update)."""
+    texts = driver.execute_script("""
+        const out = {};
+        for (const b of document.querySelectorAll("section.engine .legend b[data-count]")) {
+          out[b.dataset.count] = b.textContent;
+        }
+        return out;""")
+    return {name: int(text.replace(",", "")) for name, text in texts.items()}
 
 
 class StreamedRequest(threading.Thread):
@@ -172,7 +178,7 @@ def test_the_dashboard_shows_shared_blocks_rows_and_a_pool_left_free_or_cached(s
         request.ended.wait(30)
 
     after = wait_for(browser, lambda d: (c := counts(d)) and c["owned"] == 0 and c["shared"] == 0 and c, "a released pool")
-    assert after["free"] + after["cached"] == NUM_BLOCKS and after["cached"] >= 1  # the prompt's blocks stay cached
+    assert after["free"] + after["cached"] == NUM_BLOCKS and after["cached"] >= 1, json.dumps(after)  # the prompt's stay cached
     assert not browser.find_elements("css selector", f'tr[data-request-id="{request.request_id}"]')
     browser.save_screenshot(str(tmp_path / "dashboard-after.png"))
     assert (tmp_path / "dashboard-running.png").stat().st_size > 10_000
