@@ -296,7 +296,7 @@ def test_executor_stage_round_trip(llama, tmp_path):
         ready = results.recv(timeout_ms=60_000)
         assert ready.instance  # a fresh id per process: the scheduler tells restarts apart by it
         assert ready == ExecutorReady("ex-test", num_kv_blocks=16, block_size=8, max_model_len=256,
-                                      instance=ready.instance)
+                                      instance=ready.instance, vocab_size=1000)
         beat = status.recv(timeout_ms=5_000)
         assert isinstance(beat, Heartbeat) and beat.stage == "executor" and beat.replica == "ex-test"
         prompt = [5, 6, 7, 8, 9]
@@ -327,7 +327,7 @@ def test_smollm2_greedy_matches_transformers():
     path = resolve_model("smollm2")
     prompt = AutoTokenizer.from_pretrained(path)("The capital of France is")["input_ids"]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    runner = ModelRunner(path, dtype="float32", block_size=16, num_kv_blocks=8)
+    runner = ModelRunner(path, dtype="float32", block_size=16, num_kv_blocks=8, quantization="none")
     drv = Driver(runner)
     drv.add("s", prompt)
     drv.decode_all(8)
