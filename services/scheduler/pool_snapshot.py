@@ -24,7 +24,6 @@ from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 from shared.messages import (
     BLOCK_CACHED,
-    BLOCK_FREE,
     BLOCK_RESERVED,
     BLOCK_SWAPPED,
     PoolRow,
@@ -112,13 +111,12 @@ def pool_snapshot(scheduler: Scheduler, engine: str, instance: str, kv_policy: s
 
     swap = scheduler.swap
     num_swap = swap.num_blocks if swap is not None else 0
-    swap_states = bytearray(num_swap)
+    swap_states = bytearray(num_swap)  # zeros: BLOCK_FREE
     swap_owners = [0] * num_swap
     for i, seq in enumerate(seqs):
         for b in seq.swapped_blocks:
             swap_states[b] = BLOCK_SWAPPED
             swap_owners[b] = i + 1 if i < len(listed) else 0
-    assert BLOCK_FREE == 0  # bytearray(n) starts every block free
 
     usage = kv_usage(scheduler)
     return PoolSnapshot(
