@@ -93,8 +93,8 @@ def _decode_attention(
     max_ctx = max(ctx_lens)
     tables = block_tables[:, : -(-max_ctx // block_size)]
     # [n, blocks, block_size, kv, d] -> [n, kv, blocks * block_size, d]
-    k = k_cache[tables].flatten(1, 2).transpose(1, 2)
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)  # a cache in another dtype reads as the query's
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
     pos = torch.arange(k.shape[2], device=query.device)
     ctx = torch.tensor(ctx_lens, device=query.device)[:, None]
     mask = pos < ctx
@@ -114,8 +114,8 @@ def _chunk_attention(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     blocks = block_table[: -(-ctx_len // block_size)]
-    k = k_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)  # [kv, ctx, d]
-    v = v_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)
+    k = k_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1).to(query.dtype)  # [kv, ctx, d]
+    v = v_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1).to(query.dtype)
     # [kv, group, q_len, d]; K/V expanded (a view) to match, which keeps SDPA on its fused CPU path
     q = query.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     k = k[:, None].expand(num_kv_heads, group, ctx_len, head_dim)

@@ -50,6 +50,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="int4 copies of the weights for small steps; auto: when the checkpoint is already 4-bit")
     parser.add_argument("--int4-max-rows", type=int, default=None,
                         help="steps of at most this many tokens use the int4 copies (default: measured at load)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="auto: the compute dtype; e.g. bfloat16 with float32 compute fits twice the blocks")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default=None, help="bytes for the KV pool (e.g. 2GiB)")
@@ -86,7 +88,7 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses) -> dict[str, 
     served = default_served_name(args.model) if args.served_model_name is None else args.served_model_name
 
     executor = model + ["--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
-                        "--quantization", args.quantization]
+                        "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype]
     if args.int4_max_rows is not None:
         executor += ["--int4-max-rows", str(args.int4_max_rows)]
     if args.num_kv_blocks is not None:

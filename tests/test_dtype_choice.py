@@ -44,3 +44,16 @@ def test_auto_logs_what_it_chose_and_why(caplog):
     with caplog.at_level(logging.INFO, logger="services.executor.dtype_choice"):
         dtype = resolve_dtype("auto", "cpu")
     assert f"dtype auto -> {str(dtype).removeprefix('torch.')}" in caplog.text
+
+
+def test_the_kv_cache_follows_the_compute_dtype_unless_told():
+    from services.executor.dtype_choice import resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype("auto", torch.float32, "cpu") == torch.float32
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32, "cpu") == torch.bfloat16
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32, "torch") == torch.bfloat16
+    assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16, "triton") == torch.bfloat16
+    with pytest.raises(ValueError, match="Triton"):
+        resolve_kv_cache_dtype("float32", torch.bfloat16, "triton")
+    with pytest.raises(ValueError, match="unknown KV cache dtype"):
+        resolve_kv_cache_dtype("fp8", torch.float32, "cpu")

@@ -362,3 +362,22 @@ def test_swap_out_and_in_restore_a_sequence_and_beams_get_top_logprobs(tmp_path)
         cache[[3, 7, 9]] = 7.0
     got = runner.execute(ExecuteStep(3, [seq([first], 10, [12, 1, 5])], swap_in=[(0, 12), (1, 1), (2, 5)]))[0]
     assert got == want
+
+
+def test_a_bfloat16_kv_cache_under_float32_compute_holds_twice_the_blocks(llama):
+    """--kv-cache-dtype bfloat16 with --dtype float32: the same memory holds twice the blocks, and
+    greedy decoding still follows transformers' float32 model (K/V rounded to bfloat16 once)."""
+    path, hf = llama
+    memory = 64 * 2 * 2 * BLOCK * 2 * 16 * 4  # 64 float32 blocks of this model
+    fp32 = ModelRunner(path, dtype="float32", block_size=BLOCK, kv_cache_memory=memory)
+    runner = ModelRunner(path, dtype="float32", block_size=BLOCK, kv_cache_memory=memory,
+                         kv_cache_dtype="bfloat16")
+    assert runner.kv_cache.k_caches[0].dtype == torch.bfloat16
+    assert runner.num_kv_blocks == 2 * fp32.num_kv_blocks
+    drv = Driver(runner)
+    batch = prompts(5, [7, 19, 33])
+    for i, p in enumerate(batch):
+        drv.add(str(i), p)
+    drv.decode_all(6)
+    for i, p in enumerate(batch):
+        assert drv.seqs[str(i)]["out"] == hf_greedy(hf, p, 6)

@@ -5,7 +5,8 @@ the cores have bfloat16 matrix instructions (AMX or AVX512-BF16), which make its
 several times faster than float32's; elsewhere (AVX2-only, or AVX-512 without BF16)
 a bfloat16 GEMM is emulated and runs several times slower than float32, so float32.
 The choice and its reason are logged; an explicit dtype is kept as asked, with a
-warning where it is the slow one.
+warning where it is the slow one. The KV cache follows the compute dtype unless
+`--kv-cache-dtype` names another (`resolve_kv_cache_dtype`).
 """
 
 from __future__ import annotations
@@ -60,3 +61,20 @@ def resolve_dtype(requested: str | torch.dtype, device: str | torch.device = "cp
             log.warning("dtype bfloat16 on a CPU without bfloat16 matrix instructions: matmuls are emulated and "
                         "slow; --dtype auto would pick %s", str(auto).removeprefix("torch."))
     return dtype
+
+
+def resolve_kv_cache_dtype(requested: str, dtype: torch.dtype, backend: str) -> torch.dtype:
+    """The KV cache's dtype: the compute dtype for `auto`, else as asked (e.g. bfloat16 halves a
+    float32 pool's memory, so twice the blocks fit). The CPU kernels and the torch reference
+    read a cache in another dtype than the activations; the Triton kernels do not."""
+    if requested == "auto":
+        return dtype
+    if requested not in DTYPES:
+        raise ValueError(f"unknown KV cache dtype {requested!r}; choose from {['auto', *DTYPES]}")
+    kv = DTYPES[requested]
+    if kv != dtype and backend == "triton":
+        raise ValueError(f"--kv-cache-dtype {requested} with --dtype {str(dtype).removeprefix('torch.')}: the Triton "
+                         "kernels need the cache in the compute dtype (use --kv-cache-dtype auto)")
+    if kv != dtype:
+        log.info("KV cache in %s, compute in %s", requested, str(dtype).removeprefix("torch."))
+    return kv

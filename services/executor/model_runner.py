@@ -24,7 +24,7 @@ from torch import Tensor
 from kernels.attention import get_backend
 from services.executor.batch import BatchMetadata, InvalidStep
 from services.executor.cuda_graphs import DecodeGraphs
-from services.executor.dtype_choice import resolve_dtype
+from services.executor.dtype_choice import resolve_dtype, resolve_kv_cache_dtype
 from services.executor.gpu_memory import kv_cache_budget, profile_step
 from services.executor.kv_cache import DEFAULT_KV_CACHE_MEMORY, KVCache, bytes_per_block
 from services.executor.loader import load_model
@@ -66,6 +66,7 @@ class ModelRunner:
         swap_space: int = 0,
         quantization: str = "auto",
         int4_max_rows: int | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -76,6 +77,7 @@ class ModelRunner:
         self.block_size = block_size
         self.backend = get_backend(attention_backend, device)
         self.model = load_model(model_dir, self.dtype, self.device, self.backend, quantization, int4_max_rows)
+        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.backend.name)
         config = self.model.config
         self.max_model_len: int = config.max_position_embeddings
         self.vocab_size: int = config.vocab_size
@@ -87,17 +89,17 @@ class ModelRunner:
                 kv_cache_memory = self._profile_kv_cache_memory(
                     shape, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
             memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
-            num_kv_blocks = KVCache.blocks_for_memory(memory, *shape, self.dtype)
-        self.kv_cache = KVCache(shape[0], num_kv_blocks, *shape[1:], self.dtype, self.device)
+            num_kv_blocks = KVCache.blocks_for_memory(memory, *shape, self.kv_dtype)
+        self.kv_cache = KVCache(shape[0], num_kv_blocks, *shape[1:], self.kv_dtype, self.device)
         self.num_kv_blocks: int = num_kv_blocks
         self.swap = SwapSpace(self.kv_cache, swap_space)
         self.last_top_logprobs: list[list[tuple[int, float]]] = []
         if cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
             self.graphs = DecodeGraphs(self.model, self.kv_cache.k_caches, self.kv_cache.v_caches, block_size,
                                        self.max_model_len, max_num_seqs, self.device)
-        log.info("%s loaded (%s, %s, %s attention); KV pool %d blocks of %d tokens, %.1f MiB",
+        log.info("%s loaded (%s, %s, %s attention); KV pool %d blocks of %d tokens in %s, %.1f MiB",
                  model_dir, self.dtype, self.device, self.backend.name, num_kv_blocks, block_size,
-                 self.kv_cache.nbytes / 2**20)
+                 self.kv_dtype, self.kv_cache.nbytes / 2**20)
 
     def compute_logits(self, step: ExecuteStep) -> tuple[Tensor, BatchMetadata]:
         """Run the step's forward pass; float32 logits of its sampled sequences, in order.
@@ -189,7 +191,7 @@ class ModelRunner:
                                     self.vocab_size)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.kv_cache = KVCache(shape[0], blocks, *shape[1:], self.dtype, self.device)
+        self.kv_cache = KVCache(shape[0], blocks, *shape[1:], self.kv_dtype, self.device)
         self.num_kv_blocks = blocks
         self.execute(step)
         torch.cuda.synchronize(self.device)
@@ -201,7 +203,7 @@ class ModelRunner:
         log.info("profiling step of %d tokens: peak %.2f GiB besides the pool; %.2f of %.2f GiB for the pool "
                  "at utilization %.2f", sum(len(s.token_ids) for s in step.seqs), peak / 2**30,
                  budget / 2**30, total / 2**30, utilization)
-        if budget < bytes_per_block(*shape, self.dtype):
+        if budget < bytes_per_block(*shape, self.kv_dtype):
             raise RuntimeError(f"no GPU memory left for the KV pool at --gpu-memory-utilization {utilization} "
                                f"(peak use besides the pool {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB)")
         return budget

@@ -50,6 +50,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "checkpoint is already 4-bit (lossless), else none")
     parser.add_argument("--int4-max-rows", type=int, default=None,
                         help="steps of at most this many tokens use the int4 copies (default: measured at load)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="auto: the compute dtype; bfloat16 with float32 compute halves the pool's bytes per "
+                             "block (CPU backends only)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="pool size; wins over --kv-cache-memory")
     parser.add_argument("--kv-cache-memory", type=parse_size, default=None,
@@ -101,6 +104,7 @@ class Executor:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                 cuda_graphs=args.cuda_graphs, swap_space=args.swap_space or 0,
                 quantization=args.quantization, int4_max_rows=args.int4_max_rows,
+                kv_cache_dtype=args.kv_cache_dtype,
             )
             if self.stop.is_set():
                 return 0

@@ -142,3 +142,43 @@ def test_int8_group_linear_rejects_bad_shapes():
         ext.int8_group_linear(out, torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8, 1))
     with pytest.raises(RuntimeError, match="scales"):
         ext.int8_group_linear(out, torch.randn(1, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 3))
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                    (torch.float32, torch.float16)], ids=lambda d: f"{param_id(d[0])}-{param_id(d[1])}")
+def test_paged_attention_reads_a_cache_in_another_dtype(dtypes):
+    """--kv-cache-dtype: the query (and output) in one dtype, the pool in another."""
+    dtype, kv_dtype = dtypes
+    inputs = build(mixed(16), 9, 3, 64, 16, kv_dtype, pad_columns=1)
+    inputs["query"] = inputs["query"].to(dtype)
+    expected = reference.paged_attention(
+        **{k: (v.float() if k in ("query", "k_cache", "v_cache") else v) for k, v in inputs.items()})
+    torch.testing.assert_close(reference.paged_attention(**inputs).float(), expected, atol=TOL[dtype][0],
+                               rtol=TOL[dtype][1])
+    actual = cpu.paged_attention(**inputs)
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual.float(), expected, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+                         ids=lambda d: f"{param_id(d[0])}-{param_id(d[1])}")
+def test_rope_and_cache_writes_a_cache_in_another_dtype(dtypes):
+    dtype, kv_dtype = dtypes
+    heads, kv_heads, d, bs, n = 9, 3, 64, 16, 21
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    positions = torch.randint(0, 500, (n,), generator=gen)
+    slots = torch.randperm(10 * bs, generator=gen)[:n]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(512).float()[:, None] * inv_freq
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype).float()
+    caches = [torch.zeros(10, bs, kv_heads, d, dtype=kv_dtype) for _ in range(4)]
+    want_q = reference.rope_and_cache(qkv.clone(), positions, cos_sin, caches[0], caches[1], slots, heads, kv_heads)
+    got_q = cpu.rope_and_cache(qkv.clone(), positions, cos_sin, caches[2], caches[3], slots, heads, kv_heads)
+    atol, rtol = (1e-6, 1e-6) if dtype == torch.float32 else (0, 0)
+    torch.testing.assert_close(got_q, want_q, atol=atol, rtol=rtol)
+    # k is rotated in the compute dtype, then rounded once to the cache's: a float32 rotation a
+    # rounding apart may round to a neighbouring bfloat16
+    kv_atol, kv_rtol = (atol, rtol) if kv_dtype == torch.float32 else (1e-6, 2**-7)
+    torch.testing.assert_close(caches[2], caches[0], atol=kv_atol, rtol=kv_rtol)
+    torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0)

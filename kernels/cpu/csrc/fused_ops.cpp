@@ -127,11 +127,14 @@ void rope_and_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tens
     TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "position ", pp[t], " outside the rotary table");
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " outside the KV pool");
   }
+  // the cache may be stored in another dtype than the activations (--kv-cache-dtype)
   dispatch_float_types(qkv.scalar_type(), "rope_and_cache", [&](auto tag) {
+  dispatch_float_types(k_cache.scalar_type(), "rope_and_cache cache", [&](auto cache_tag) {
     using scalar_t = decltype(tag);
+    using cache_t = decltype(cache_tag);
     scalar_t* base = qkv.data_ptr<scalar_t>();
-    scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    cache_t* kc = k_cache.data_ptr<cache_t>();
+    cache_t* vc = v_cache.data_ptr<cache_t>();
     const int64_t row_stride = qkv.stride(0), kv_width = num_kv_heads * D;
 #pragma omp parallel num_threads(threads_for(tokens, (num_heads + num_kv_heads) * D))
     {
@@ -143,7 +146,6 @@ void rope_and_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tens
         scalar_t* row = base + t * row_stride;
         for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
           scalar_t* src = row + h * D;
-          scalar_t* dst = h < num_heads ? src : kc + sp[t] * kv_width + (h - num_heads) * D;
           load_row(src, x.data(), D);
 #pragma omp simd
           for (int64_t i = 0; i < half; ++i) {
@@ -151,11 +153,24 @@ void rope_and_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tens
             y[i] = round_through<T>(round_through<T>(x[i] * c[i]) - round_through<T>(x[i + half] * s[i]));
             y[i + half] = round_through<T>(round_through<T>(x[i + half] * c[i]) + round_through<T>(x[i] * s[i]));
           }
-          store_row(y.data(), dst, D);
+          if (h < num_heads)
+            store_row(y.data(), src, D);
+          else
+            store_row(y.data(), kc + sp[t] * kv_width + (h - num_heads) * D, D);
         }
-        std::memcpy(vc + sp[t] * kv_width, row + (num_heads + num_kv_heads) * D, kv_width * sizeof(scalar_t));
+        const scalar_t* v = row + (num_heads + num_kv_heads) * D;
+        cache_t* v_dst = vc + sp[t] * kv_width;
+        if constexpr (std::is_same_v<scalar_t, cache_t>) {
+          std::memcpy(v_dst, v, kv_width * sizeof(scalar_t));
+        } else {
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            load_row(v + h * D, x.data(), D);
+            store_row(x.data(), v_dst + h * D, D);
+          }
+        }
       }
     }
+  });
   });
 }
 

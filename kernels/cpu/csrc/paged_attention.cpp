@@ -93,9 +93,9 @@ void store_rows(const WorkItem& w, Scratch& s, T* out, int64_t o_tok_stride, int
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void run_item_portable(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_stride, int64_t q_head_stride,
-              const T* k_cache, const T* v_cache, T* out, int64_t o_tok_stride, int64_t o_head_stride,
+              const C* k_cache, const C* v_cache, T* out, int64_t o_tok_stride, int64_t o_head_stride,
               const int64_t* tables, int64_t table_stride, const int64_t* qsl, const int64_t* ctx_lens,
               int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
               int64_t window) {
@@ -124,7 +124,7 @@ void run_item_portable(const WorkItem& w, Scratch& s, const T* query, int64_t q_
       for (int64_t d = 0; d < D; ++d) kt[d * BS + j] = 0.0f;
     const float* vb;
     int64_t v_stride;
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<C, float>) {
       vb = v_cache + base;
       v_stride = token_stride;
     } else {
@@ -164,9 +164,9 @@ void run_item_portable(const WorkItem& w, Scratch& s, const T* query, int64_t q_
 // The same computation with K/V rows read straight from the cache into vector registers
 // (widened from bfloat16/float16 on load): each key row is loaded once and dotted with
 // every query row of the item, each value row once and added into every row's output.
-template <typename T>
+template <typename T, typename C>
 void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_stride, int64_t q_head_stride,
-                   const T* k_cache, const T* v_cache, T* out, int64_t o_tok_stride, int64_t o_head_stride,
+                   const C* k_cache, const C* v_cache, T* out, int64_t o_tok_stride, int64_t o_head_stride,
                    const int64_t* tables, int64_t table_stride, const int64_t* qsl, const int64_t* ctx_lens,
                    int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                    int64_t window) {
@@ -197,7 +197,7 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
     if (b < last_pos / BS) {
       // the next block sits anywhere in the pool: fetch its rows while this one computes
       const int64_t next = table[b + 1] * BS * token_stride + w.kv_head * D;
-      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
       for (int64_t j = 0; j < BS; ++j)
         for (int64_t off = 0; off < row_bytes; off += 64) {
           _mm_prefetch(reinterpret_cast<const char*>(k_cache + next + j * token_stride) + off, _MM_HINT_T0);
@@ -205,7 +205,7 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
         }
     }
     for (int64_t j = 0; j < n_tok; ++j) {
-      const T* kr = k_cache + base + j * token_stride;
+      const C* kr = k_cache + base + j * token_stride;
       for (int64_t c = 0; c < chunks; ++c) kv[c] = load(kr + c * kWidth);
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = &s.q[r * D];
@@ -224,7 +224,7 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
       softmax_update(s, r, row, lo, hi, BS, D);
     }
     for (int64_t j = 0; j < n_tok; ++j) {
-      const T* vr = v_cache + base + j * token_stride;
+      const C* vr = v_cache + base + j * token_stride;
       for (int64_t c = 0; c < chunks; ++c) kv[c] = load(vr + c * kWidth);
       for (int64_t r = 0; r < rows; ++r) {
         const float p = sc[r * BS + j];
@@ -239,9 +239,9 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
 }
 #endif
 
-template <typename T>
+template <typename T, typename C>
 void run_item(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_stride, int64_t q_head_stride,
-              const T* k_cache, const T* v_cache, T* out, int64_t o_tok_stride, int64_t o_head_stride,
+              const C* k_cache, const C* v_cache, T* out, int64_t o_tok_stride, int64_t o_head_stride,
               const int64_t* tables, int64_t table_stride, const int64_t* qsl, const int64_t* ctx_lens,
               int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
               int64_t window, bool simd) {
@@ -265,9 +265,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "k/v cache must be contiguous [blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be the innermost, dense axis");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type() &&
-                  v_cache.scalar_type() == k_cache.scalar_type(),
-              "query, out and caches must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "out must have the query's dtype, and the v cache the k cache's");
   const auto tables = block_tables.to(at::kLong).contiguous();
   const auto qsl = query_start_loc.to(at::kLong).contiguous();
   const auto ctx = context_lens.to(at::kLong).contiguous();
@@ -293,11 +292,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const int64_t max_rows = kQueryTile * group;
   const bool simd = vec::kHaveVec && head_dim % vec::kWidth == 0 && head_dim / vec::kWidth <= 16 &&
                     !std::getenv("PAGEDSERVE_PORTABLE_ATTENTION");
+  // the cache may be stored in another dtype than the activations (--kv-cache-dtype)
   dispatch_float_types(query.scalar_type(), "paged_attention", [&](auto tag) {
+  dispatch_float_types(k_cache.scalar_type(), "paged_attention cache", [&](auto cache_tag) {
     using scalar_t = decltype(tag);
+    using cache_t = decltype(cache_tag);
     const scalar_t* q = query.data_ptr<scalar_t>();
-    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const cache_t* kc = k_cache.data_ptr<cache_t>();
+    const cache_t* vc = v_cache.data_ptr<cache_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items)))
@@ -316,6 +318,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                  tables.size(1), qsl_p, ctx_p, group, num_kv_heads, head_dim, block_size, static_cast<float>(scale),
                  sliding_window, simd);
     }
+  });
   });
 }
 
