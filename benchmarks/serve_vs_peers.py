@@ -36,6 +36,7 @@ import argparse
 import importlib.util
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import asdict, replace
@@ -172,6 +173,18 @@ def unavailable(kind: str, args) -> str | None:
     return None
 
 
+# What pagedserve's executor logs about the choices its defaults made (dtype, weights, attention, KV).
+CHOICES = re.compile(r"\] ((?:dtype|quantization) auto -> .*|int4 copies .*|.* loaded \(.*)$")
+
+
+def logged_choices(log: Path) -> list[str]:
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [m.group(1)[:200] for m in map(CHOICES.search, lines) if m]
+
+
 def serve(kind: str, args, trace: Trace, tokenizer) -> dict:
     description, starts = configs(kind, args)
     out = {"config": description, "points": {}, "unavailable": unavailable(kind, args)}
@@ -184,6 +197,8 @@ def serve(kind: str, args, trace: Trace, tokenizer) -> dict:
                                startup_timeout=900.0, log_name=f"{kind}-{'-'.join(map(str, concurrencies))}")
             _log(f"starting {kind} {' '.join(options)} ...")
             with peer:
+                if kind == "pagedserve":
+                    out["chosen"] = logged_choices(peer.log_path)
                 target = Target(name=kind, url=peer.url)
                 for c in concurrencies:
                     began = time.monotonic()
@@ -267,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"  matmul ceiling at C=64: {best['tok_s_ceiling']:.1f} tok/s ({best['dtype']})")
     lines += ["", f"lean loop (plain torch, contiguous KV, batch {args.lean_batch}, context {args.lean_context}):"]
     lines += [f"  {r['dtype']:>8}: {r['tok_s']:8.1f} tok/s ({r['step_ms']:.1f} ms a step)" for r in lean]
-    lines += ["", "servers:"] + [f"  {name}: {s['config']}" for name, s in servers.items()]
+    lines += ["", "servers:"]
+    for name, srv in servers.items():
+        lines.append(f"  {name}: {srv['config']}")
+        lines += [f"    {choice}" for choice in srv.get("chosen", [])]
     lines += ["", results_table(servers, args.concurrency)]
     print("\n".join(lines))
     if args.out:

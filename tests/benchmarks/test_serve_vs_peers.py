@@ -34,6 +34,7 @@ def test_pagedserve_gets_real_figures(quick_run):
     _, data = quick_run
     ours = data["servers"]["pagedserve"]
     assert ours["unavailable"] is None and set(ours["points"]) == {"1", "3"}
+    assert any(c.startswith("dtype auto -> ") for c in ours["chosen"]), ours["chosen"]  # what its defaults chose
     for c, rec in ours["points"].items():
         assert rec["failed"] == 0 and rec["completed"] == rec["requests"] >= int(c) + 1
         assert rec["output_tok_s"] > 0 and rec["short_outputs"] == 0
