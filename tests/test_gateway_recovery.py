@@ -64,6 +64,30 @@ def test_replay_detects_divergence_and_refuses_unseeded_samples_already_sent():
     assert Replay(SamplingParams(temperature=0.8, seed=3)).can_restart()
 
 
+def test_replay_skips_each_choice_of_a_seeded_n2_request_on_its_own():
+    replay = Replay(SamplingParams(temperature=0.8, seed=5, n=2))
+    assert replay.can_restart()
+
+    def d(seq, text, ids, finish=None):
+        return TextDelta("r", text, 3, len(ids), finish, ids, seq)
+
+    assert replay.filter(d(0, "a", [1])) is not None
+    assert replay.filter(d(1, "x", [7], "length")) is not None  # choice 1 finished
+    assert replay.filter(d(0, "b", [2])) is not None
+    replay.restart()
+    assert replay.can_restart()
+    assert replay.filter(d(1, "x", [7], "length")) is None  # finished already: not again
+    assert replay.filter(d(0, "a", [1])) is None
+    out = replay.filter(d(0, "bc", [2, 3]))
+    assert (out.seq_index, out.text, out.token_ids) == (0, "c", [3])
+    with pytest.raises(ReplayDiverged):
+        replay.restart()
+        replay.filter(d(0, "z", [9]))
+    unseeded = Replay(SamplingParams(temperature=0.8, n=2))
+    unseeded.filter(d(1, "x", [7]))
+    assert not unseeded.can_restart()
+
+
 # --- StageWatchdog ----------------------------------------------------------------------
 
 
