@@ -12,6 +12,15 @@ from typing import Any
 from msgspec import Struct
 
 
+class StructuredOutput(Struct, frozen=True):
+    """A constraint on the output, enforced by a grammar engine token by token.
+    kind: "json" (any JSON object), "json_schema", "regex", "choice" (spec: a JSON array of
+    strings) or "grammar" (xgrammar's EBNF); spec: its text."""
+
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(Struct, frozen=True):
     """What the user asked for; validated by the gateway, carried end to end."""
 
@@ -40,6 +49,7 @@ class SamplingParams(Struct, frozen=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     echo: bool = False  # the tokenizer stage sends the prompt's text back with the first delta
+    structured: StructuredOutput | None = None
 
 
 class ChatOptions(Struct, frozen=True):
@@ -236,11 +246,17 @@ class SeqSampling(Struct, frozen=True):
     min_tokens: int = 0
     min_tokens_mask: list[int] = []  # tokens masked while output_index < min_tokens (EOS, stop ids)
     logprobs: int | None = None  # return the sampled token's logprob and this many top ones
+    structured: StructuredOutput | None = None
 
     @property
     def needs_history(self) -> bool:
         """The penalties read the tokens generated so far."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_output(self) -> bool:
+        """The executor must see the tokens generated so far (penalties, a grammar's state)."""
+        return self.needs_history or self.structured is not None
 
 
 class ScheduledSeq(Struct):
@@ -270,6 +286,7 @@ class ScheduledSeq(Struct):
     # these next tokens, with prompt_logprobs top candidates each
     score_targets: list[int] = []
     prompt_logprobs: int = 0
+    seq_index: int = 0  # which sample of its request (a grammar's state is kept per sequence)
 
 
 class ExecuteStep(Struct, tag=True):

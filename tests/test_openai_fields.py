@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -53,8 +54,8 @@ def test_empty_stream_options_mean_include_usage():
 
 
 @pytest.mark.parametrize("body", [
-    {"suffix": "x"}, {"best_of": 3}, {"response_format": {"type": "json_object"}},
-    {"guided_json": {"type": "object"}}, {"structured_outputs": {"regex": "a+"}}, {"typical_p": 0.5},
+    {"suffix": "x"}, {"best_of": 3}, {"functions": [{"name": "f"}]},
+    {"guided_whitespace_pattern": " "}, {"logits_processors": ["x"]}, {"typical_p": 0.5},
     {"chat_template": "{{ messages }}"}, {"bad_words": ["x"]}, {"mirostat": 2}, {"truncate_prompt_tokens": 3},
 ])
 def test_answer_changing_fields_are_refused_by_name(body):
@@ -128,3 +129,21 @@ def test_chat_and_detokenizer_options():
     assert completion(add_special_tokens=False).to_generate("c").add_special_tokens is False
     assert refused(chat, continue_final_message=True) == "continue_final_message"
     assert refused(chat, chat_template_kwargs={"chat_template": "x"}) == "chat_template_kwargs"
+
+
+def test_structured_output_fields_become_one_constraint():
+    from shared.messages import StructuredOutput
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert chat(response_format=fmt).params.structured == StructuredOutput("json_schema", json.dumps(schema))
+    assert chat(response_format={"type": "json_object"}).params.structured == StructuredOutput("json")
+    assert chat(response_format={"type": "text"}).params.structured is None
+    assert completion(structured_outputs={"choice": ["a", "b"]}).params.structured == StructuredOutput(
+        "choice", '["a", "b"]')
+    assert completion(guided_regex="x+").params.structured == StructuredOutput("regex", "x+")
+    assert completion(structured_outputs={"json": json.dumps(schema)}).params.structured.kind == "json_schema"
+    assert completion(json_schema=schema).params.structured.kind == "json_schema"  # llama.cpp's field
+    assert refused(chat, response_format={"type": "json_object"}, guided_choice=["a"]) == "guided_choice"
+    assert refused(chat, response_format={"type": "json_object"}, use_beam_search=True) == "use_beam_search"
+    assert refused(chat, structured_outputs={"choice": []}) == "structured_outputs"

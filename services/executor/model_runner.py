@@ -5,7 +5,8 @@ sequence's new tokens (their K/V land in the pool at the slots the scheduler cho
 then sampling of the sequences that asked for a token. `run` returns the whole
 `StepResult`: the tokens, the beams' candidates, the logprobs asked for (see
 `logprobs`) and the scored prompt positions of the sequences that score their prompt
-(logits are computed at those positions only for them).
+(logits are computed at those positions only for them). Sequences with structured
+output sample under their grammar's token mask (`grammar`), filled during the forward pass.
 
 On CUDA the pool, unless sized explicitly, takes what a profiling pass of the
 largest step leaves of `gpu_memory_utilization` of the GPU (see `gpu_memory`), and
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ from services.executor.batch import BatchMetadata, InvalidStep
 from services.executor.cuda_graphs import DecodeGraphs
 from services.executor.dtype_choice import resolve_dtype, resolve_kv_cache_dtype
 from services.executor.gpu_memory import kv_cache_budget, profile_step
+from services.executor.grammar import GrammarMasks
 from services.executor.kv_cache import DEFAULT_KV_CACHE_MEMORY, KVCache, bytes_per_block
 from services.executor.loader import load_model
 from services.executor.logits_processors import History
@@ -82,6 +85,9 @@ class ModelRunner:
         self.max_model_len: int = config.max_position_embeddings
         self.vocab_size: int = config.vocab_size
         self.sampler = Sampler(seed=seed, device=self.device)
+        self.model_dir = model_dir
+        self.grammar: GrammarMasks | None = None  # made on the first constrained request
+        self._grammar_threads: ThreadPoolExecutor | None = None
         self.graphs: DecodeGraphs | None = None
         shape = (config.num_hidden_layers, block_size, num_kv_heads_of(config), head_dim_of(config))
         if num_kv_blocks is None:
@@ -131,18 +137,26 @@ class ModelRunner:
         if not step.seqs:
             self._move_blocks(step)
             return StepResult(step.step_id, [], 0.0)
+        seqs = [s for s in step.seqs if s.sample]
+        # the grammar masks of constrained sequences are filled while the forward pass runs
+        masks = (self._grammar_pool().submit(self._grammar().masks, seqs)
+                 if any(s.sampling.structured is not None for s in seqs) else None)
         logits, meta = self.compute_logits(step)
+        bitmask = masks.result() if masks is not None else None
         result = StepResult(step.step_id, [-1] * len(step.seqs), self.last_forward_s)
         num_sampled = len(meta.sampled_seqs)
         if num_sampled:
-            seqs = [step.seqs[i] for i in meta.sampled_seqs]
             params = [s.sampling for s in seqs]
             indices = [s.output_index for s in seqs]
             histories = [History(s.prompt_token_ids, s.output_token_ids) if s.sampling.needs_history else None
                          for s in seqs]
             raw = logits[:num_sampled]
             processed = self.sampler.process(raw, params, indices, histories)
+            if bitmask is not None:
+                processed = self.grammar.apply(processed, bitmask)
             tokens = self.sampler.sample(processed, params, indices)
+            if bitmask is not None:
+                self.grammar.accept(seqs, tokens)
             for i, token in zip(meta.sampled_seqs, tokens, strict=True):
                 result.sampled[i] = token
             result.top_logprobs = self._top_logprobs(processed, seqs)
@@ -157,6 +171,16 @@ class ModelRunner:
                                                          [seq.prompt_logprobs] * m))
             row += m
         return result
+
+    def _grammar(self) -> GrammarMasks:
+        if self.grammar is None:
+            self.grammar = GrammarMasks(self.model_dir, self.vocab_size)
+        return self.grammar
+
+    def _grammar_pool(self) -> ThreadPoolExecutor:
+        if self._grammar_threads is None:
+            self._grammar_threads = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._grammar_threads
 
     @staticmethod
     def _top_logprobs(logits: Tensor, seqs: list) -> list[list[tuple[int, float]]]:

@@ -26,6 +26,7 @@ from shared.messages import (
     DetokenizeRequest,
     GenerateRequest,
     SamplingParams,
+    StructuredOutput,
     TokenizeRequest,
     TokenLogprob,
 )
@@ -54,7 +55,8 @@ _COMMON_FIELDS = {
     "include_stop_str_in_output", "use_beam_search", "beam_width", "length_penalty", "return_token_ids",
     "stream", "stream_options", "n_predict", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias", "min_tokens", "allowed_token_ids", "logprobs", "prompt_logprobs", "skip_special_tokens",
-    "spaces_between_special_tokens", "add_special_tokens",
+    "spaces_between_special_tokens", "add_special_tokens", "response_format", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "json_schema",
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
@@ -185,6 +187,65 @@ def parse_chat(body: dict, model_names: set[str]) -> ParsedRequest:
     )
 
 
+def _structured(body: dict) -> StructuredOutput | None:
+    """One constraint from OpenAI's response_format, vLLM's structured_outputs (or its older
+    guided_* fields), or llama.cpp's json_schema; the tokenizer stage compiles it (400 if bad)."""
+    found: list[tuple[str, StructuredOutput]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise _wrong_type("response_format", "an object", fmt)
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(("response_format", StructuredOutput("json")))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError("'response_format.json_schema.schema' must be a JSON schema object.",
+                               param="response_format")
+            found.append(("response_format", StructuredOutput("json_schema", json.dumps(schema))))
+        elif kind != "text":
+            raise ApiError("'response_format.type' must be text, json_object or json_schema.", param="response_format")
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise _wrong_type("structured_outputs", "an object", outputs)
+        for key in ("json", "regex", "choice", "grammar", "json_object"):
+            if outputs.get(key) not in (None, False):
+                found.append(("structured_outputs", _constraint(f"structured_outputs.{key}", key, outputs[key])))
+    for key in ("json", "regex", "choice", "grammar"):
+        if body.get(f"guided_{key}") is not None:
+            found.append((f"guided_{key}", _constraint(f"guided_{key}", key, body[f"guided_{key}"])))
+    if body.get("json_schema") is not None:  # llama.cpp's
+        found.append(("json_schema", _constraint("json_schema", "json", body["json_schema"])))
+    if len(found) > 1:
+        raise ApiError(f"Only one output constraint may be given, not {found[0][0]} and {found[1][0]}.",
+                       param=found[1][0])
+    return found[0][1] if found else None
+
+
+def _constraint(name: str, key: str, value) -> StructuredOutput:
+    if key == "json_object":
+        return StructuredOutput("json")
+    if key == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ApiError(f"'{name}' is not valid JSON: {exc}", param=name.split(".")[0]) from exc
+        if not isinstance(value, dict):
+            raise _wrong_type(name, "a JSON schema object", value)
+        return StructuredOutput("json_schema", json.dumps(value))
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ApiError(f"'{name}' must be a non-empty array of non-empty strings.", param=name.split(".")[0])
+        return StructuredOutput("choice", json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise ApiError(f"'{name}' must be a non-empty string.", param=name.split(".")[0])
+    return StructuredOutput(key, value)
+
+
 def parse_tokenize(body: dict, model_names: set[str], request_id: str) -> TokenizeRequest:
     """vLLM's /tokenize: a prompt, or chat messages with the chat fields."""
     _check_model(body, model_names)
@@ -236,8 +297,12 @@ def _with_logprobs(body: dict, params: SamplingParams, logprobs: int | None, pro
     if params.use_beam_search and (logprobs is not None or prompt_logprobs is not None):
         name = "logprobs" if logprobs is not None else "prompt_logprobs"
         raise ApiError(f"'{name}' cannot be combined with beam search.", param=name)
+    structured = _structured(body)
+    if structured is not None and (params.use_beam_search or params.ignore_eos):
+        name = "use_beam_search" if params.use_beam_search else "ignore_eos"
+        raise ApiError(f"'{name}' cannot be combined with structured output.", param=name)
     return msgspec.structs.replace(
-        params, logprobs=logprobs, prompt_logprobs=prompt_logprobs, echo=echo,
+        params, logprobs=logprobs, prompt_logprobs=prompt_logprobs, echo=echo, structured=structured,
         skip_special_tokens=_boolean(body, "skip_special_tokens", True),
         spaces_between_special_tokens=_boolean(body, "spaces_between_special_tokens", True))
 

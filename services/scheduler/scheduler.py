@@ -368,7 +368,7 @@ class Scheduler:
     def _seq(self, chunk: ScheduledChunk) -> ScheduledSeq:
         req, start = chunk.request, chunk.request.num_computed_tokens
         sampling = req.sampling
-        history = chunk.samples and sampling.needs_history
+        history = chunk.samples and sampling.needs_output
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.token_ids(start, start + chunk.num_tokens),
@@ -383,6 +383,7 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids if history and sampling.repetition_penalty != 1 else [],
             score_targets=req.score_targets(start, chunk.num_tokens),
             prompt_logprobs=req.params.prompt_logprobs or 0,
+            seq_index=req.seq_index,
         )
 
     @staticmethod

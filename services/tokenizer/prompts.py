@@ -14,7 +14,15 @@ from __future__ import annotations
 import msgspec
 from jinja2 import TemplateError
 
-from shared.messages import ChatMessage, ChatOptions, GenerateRequest, SamplingParams, TokenizeRequest
+from shared import structured_output
+from shared.messages import (
+    ChatMessage,
+    ChatOptions,
+    GenerateRequest,
+    SamplingParams,
+    StructuredOutput,
+    TokenizeRequest,
+)
 
 
 class PromptError(ValueError):
@@ -30,6 +38,7 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self._grammars = None  # a GrammarCompilerCache, made on the first constrained request
 
     def tokenize(self, req: GenerateRequest | TokenizeRequest) -> tuple[list[int], str]:
         """(token ids, "prompt" or "messages"), unchecked for length."""
@@ -48,7 +57,21 @@ class PromptBuilder:
             raise PromptError(f"The {what} is empty: at least one token is needed.", what)
         self._check_length(len(ids), req.params.max_tokens, what)
         self._check_param_ids(req.params)
+        if req.params.structured is not None:
+            self._check_structured(req.params.structured)
         return ids
+
+    def _check_structured(self, spec: StructuredOutput) -> None:
+        """Compile it now (cached), so a bad schema, regex or grammar is a 400, not a failed step."""
+        if self._grammars is None:
+            if not structured_output.available():
+                raise PromptError("Structured output needs xgrammar on this server "
+                                  "(pip install 'pagedserve[structured]').", "response_format")
+            self._grammars = structured_output.GrammarCompilerCache(self.tokenizer, self.vocab_size)
+        try:
+            self._grammars.compile(spec)
+        except structured_output.StructuredOutputError as exc:
+            raise PromptError(str(exc), "response_format") from exc
 
     def _check_param_ids(self, params: SamplingParams) -> None:
         """Token ids in sampling fields must be in the vocabulary."""
