@@ -1,6 +1,6 @@
 """Capacity: the highest request rate a target sustains under a latency SLO, in bounded time.
 
-Each probe is a short open-loop run of the same seeded trace at one rate (the arrival
+Each probe is an open-loop run of the same seeded trace at one rate (the arrival
 times scale with 1/rate, so probes differ only in rate). The rate doubles from
 `start_rate` until a probe fails, then bisects (geometrically) between the highest
 passing and the lowest failing rate until they are within `tolerance`, or the probe
