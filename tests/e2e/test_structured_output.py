@@ -68,17 +68,25 @@ def _format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
 
 
-@pytest.mark.parametrize("i", range(len(SCHEMAS)))
-def test_json_schema_output_validates_whole_and_streamed(client, i):
-    schema = SCHEMAS[i]
-    body = dict(model=MODEL, messages=MESSAGES, max_tokens=200, seed=i, temperature=1.0,
-                response_format=_format(schema))
-    whole = client.chat.completions.create(**body)
-    assert whole.choices[0].finish_reason == "stop"
-    jsonschema.validate(json.loads(whole.choices[0].message.content), schema)
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**body, stream=True)
-                   if c.choices)
-    assert text == whole.choices[0].message.content  # seeded: the same answer
+def test_json_schema_output_validates_whole_and_streamed(tiny_server):
+    """The 20 schemas at once (they batch in the engine), each whole and streamed."""
+
+    async def one(c, i: int) -> tuple[object, str]:
+        body = dict(model=MODEL, messages=MESSAGES, max_tokens=200, seed=i, temperature=1.0,
+                    response_format=_format(SCHEMAS[i]))
+        whole = await c.chat.completions.create(**body)
+        text = "".join([ch.choices[0].delta.content or "" async for ch in await c.chat.completions.create(
+            **body, stream=True) if ch.choices])
+        return whole, text
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(len(SCHEMAS))))
+
+    for schema, (whole, streamed) in zip(SCHEMAS, asyncio.run(run()), strict=True):
+        assert whole.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(whole.choices[0].message.content), schema)
+        assert streamed == whole.choices[0].message.content  # seeded: the same answer
 
 
 def test_json_object_on_completions_and_pydantic_parse(client, tiny_server):
