@@ -94,6 +94,15 @@ def _sampling(model_names: list[str]) -> dict:
         "ignore_eos": _nullable({"type": "boolean"}),
         "include_stop_str_in_output": _nullable({"type": "boolean"}),
         "return_token_ids": _nullable({"type": "boolean"}),
+        "response_format": _nullable({"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                                             "strict": _nullable({"type": "boolean"})}}}}),
+        "structured_outputs": _nullable({"type": "object", "description": "vLLM's: one of json, regex, choice, "
+                                         "grammar (xgrammar EBNF), json_object", "properties": {
+            "json": {"oneOf": [{"type": "object"}, {"type": "string"}]}, "regex": {"type": "string"},
+            "choice": {"type": "array", "items": {"type": "string"}}, "grammar": {"type": "string"},
+            "json_object": {"type": "boolean"}}}),
         "skip_special_tokens": _nullable({"type": "boolean"}),
         "spaces_between_special_tokens": _nullable({"type": "boolean"}),
         "add_special_tokens": _nullable({"type": "boolean"}),
