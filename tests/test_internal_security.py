@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import zmq
 
+from shared.config import Addresses
 from shared.curve import SECRET_KEY_ENV, CurveKeys, load_keys
 from shared.messages import Heartbeat, StatusToGateway
 from shared.transport import PullSocket, PushSocket, configure
@@ -151,3 +152,10 @@ def test_a_stage_on_a_network_address_without_a_key_refuses_to_start():
                         "--gateway-in", "ipc:///tmp/b.ipc", env=env)
     assert result.returncode != 0
     assert "refusing to start" in result.stderr and "pagedserve keygen" in result.stderr
+
+
+def test_a_gateway_whose_requests_could_exceed_the_message_bound_refuses_to_start(tmp_path):
+    result = pagedserve("stage", "gateway", "--max-request-bytes", str(1 << 30),
+                        *Addresses.ipc(str(tmp_path)).as_argv())
+    assert result.returncode != 0
+    assert "--max-request-bytes" in result.stderr and "PAGEDSERVE_MAX_MESSAGE_BYTES" in result.stderr

@@ -37,9 +37,13 @@ from shared.curve import CurveKeys, stage_keys
 from shared.heartbeat import HeartbeatThread
 from shared.messages import PoolSnapshot, StatusToGateway
 from shared.model_files import default_served_name
-from shared.transport import AsyncPullSocket, configure
+from shared.transport import MAX_MESSAGE_BYTES, AsyncPullSocket, configure
 
 log = logging.getLogger(__name__)
+
+# a JSON body's msgpack message is at most this many times its size (token ids: "1," is
+# two bytes of JSON and up to five of msgpack)
+MESSAGE_EXPANSION = 3
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +62,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     addrs = Addresses.from_args(args)
+    if args.max_request_bytes * MESSAGE_EXPANSION > MAX_MESSAGE_BYTES:
+        # a request whose message the tokenizer's socket would drop would hang until its timeout
+        raise SystemExit(f"--max-request-bytes {args.max_request_bytes} is too large for internal messages of at most "
+                         f"{MAX_MESSAGE_BYTES} bytes: lower it, or raise $PAGEDSERVE_MAX_MESSAGE_BYTES to at least "
+                         f"{MESSAGE_EXPANSION}x it")
     uvloop.run(serve(args, addrs, stage_keys(args, addrs)))
     return 0
 
