@@ -291,18 +291,6 @@ class AsyncRouterSocket(RouterSocket):
         self._owner.close(linger=0)
 
 
-class AsyncPushSocket(Generic[T]):
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, msg_type: type[T], *, bind: bool = False):
-        self.address = address
-        self.sock = _open(ctx, zmq.PUSH, address, bind)
-
-    async def send(self, msg: T) -> None:
-        await self.sock.send(_encoder.encode(msg), copy=False)
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
 class AsyncPullSocket(Generic[T]):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, msg_type: type[T], *, bind: bool = True):
         self.address = address
