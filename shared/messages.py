@@ -58,6 +58,7 @@ class ChatOptions(Struct, frozen=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = {}  # chat_template_kwargs, passed to the template
+    tools: list[dict[str, Any]] = []  # OpenAI tool definitions, rendered by the template
 
 
 class TokenLogprob(Struct, array_like=True, gc=False):
@@ -73,9 +74,20 @@ class TokenLogprob(Struct, array_like=True, gc=False):
     bytes: list[int] = []
 
 
+class ToolCall(Struct, frozen=True):
+    """A function call an assistant message made (OpenAI's tool_calls[i])."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
 class ChatMessage(Struct, frozen=True):
     role: str
     content: str
+    tool_calls: list[ToolCall] = []  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
 
 # --- gateway -> tokenizer -------------------------------------------------------------

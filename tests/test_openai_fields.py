@@ -147,3 +147,16 @@ def test_structured_output_fields_become_one_constraint():
     assert refused(chat, response_format={"type": "json_object"}, guided_choice=["a"]) == "guided_choice"
     assert refused(chat, response_format={"type": "json_object"}, use_beam_search=True) == "use_beam_search"
     assert refused(chat, structured_outputs={"choice": []}) == "structured_outputs"
+
+
+def test_auto_tool_calls_are_parsed_from_hermes_syntax():
+    from services.gateway.tools import ToolMode, extract_calls
+
+    mode = ToolMode("auto", ("f", "g"))
+    text = 'Sure.<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call><tool_call>{"name": "x"}</tool_call>'
+    content, calls = extract_calls(mode, text)
+    assert content == "Sure." and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1})]
+    assert extract_calls(mode, "plain") == ("plain", [])
+    assert extract_calls(ToolMode("none", ("f",)), text)[1] == []
+    assert chat(tools=[{"type": "function", "function": {"name": "f"}}]).tool_mode.choice == "auto"
+    assert refused(completion, tools=[{"type": "function", "function": {"name": "f"}}]) == "tools"

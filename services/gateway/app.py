@@ -165,6 +165,7 @@ class Gateway:
         out = ResponseBuilder(
             parsed.kind, request_id, self.served_model_name, parsed.include_usage, parsed.return_token_ids,
             num_choices=parsed.params.n * parsed.num_prompts, params=parsed.params, echo_only=parsed.echo_only,
+            tool_mode=parsed.tool_mode,
         )
         timer = self.metrics.track(parsed.params.n * parsed.num_prompts)
         if parsed.batch:
@@ -247,8 +248,10 @@ class Gateway:
                     done = out.record(msg)
                     if (msg.text or msg.finish_reason is not None or (out.return_token_ids and msg.token_ids)
                             or (out.logprobs and msg.logprobs)):
-                        await send(out.chunk(msg.text, msg.finish_reason, token_ids=msg.token_ids,
-                                             index=msg.seq_index, logprobs=msg.logprobs))
+                        chunk = out.chunk(msg.text, msg.finish_reason, token_ids=msg.token_ids,
+                                          index=msg.seq_index, logprobs=msg.logprobs)
+                        if chunk is not None:
+                            await send(chunk)
                     if done:
                         break
                     msg = await stream.next()

@@ -29,7 +29,7 @@ HARMLESS = frozenset({
 UNSUPPORTED: dict[str, tuple] = {
     "suffix": ("",),
     "best_of": (1,),
-    "tools": (),
+    "tools": (),  # read by chat; on completions refused
     "tool_choice": ("none", "auto"),
     "functions": (),
     "function_call": ("none", "auto"),

@@ -20,6 +20,7 @@ import msgspec
 
 from services.gateway.field_policy import unsupported_field
 from services.gateway.logprob_format import chat_logprobs, completion_logprobs, prompt_logprobs
+from services.gateway.tools import ToolError, ToolMode, extract_calls, parse_tools, render_calls
 from shared.messages import (
     ChatMessage,
     ChatOptions,
@@ -29,6 +30,7 @@ from shared.messages import (
     StructuredOutput,
     TokenizeRequest,
     TokenLogprob,
+    ToolCall,
 )
 
 MAX_N = 16  # parallel samples or beams per request
@@ -60,7 +62,7 @@ _COMMON_FIELDS = {
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
-                                "add_generation_prompt", "continue_final_message"}
+                                "add_generation_prompt", "continue_final_message", "tools", "tool_choice"}
 # apply_chat_template's own arguments: not template variables a client may set
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -105,6 +107,7 @@ class ParsedRequest:
     echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone
     chat: ChatOptions | None = None
     add_special_tokens: bool | None = None
+    tool_mode: ToolMode | None = None  # chat with tools: how the answer becomes tool_calls
     batch: list[tuple[str | None, list[int] | None]] | None = None  # several prompts: (text, ids) each
 
     @property
@@ -181,9 +184,23 @@ def parse_chat(body: dict, model_names: set[str]) -> ParsedRequest:
         raise ApiError("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
     params = _with_logprobs(body, _sampling(body, max_tokens), (top or 0) if wants else None,
                             _logprob_count(body, "prompt_logprobs"), False)
+    try:
+        tool_defs, tool_mode, tool_constraint = parse_tools(body)
+    except ToolError as exc:
+        raise ApiError(str(exc), param=exc.param) from exc
+    if tool_constraint is not None:
+        if params.structured is not None:
+            raise ApiError("A required or named tool_choice cannot be combined with another output constraint.",
+                           param="tool_choice")
+        if params.use_beam_search or params.ignore_eos:
+            raise ApiError("'tool_choice' required or named cannot be combined with beam search or ignore_eos.",
+                           param="tool_choice")
+        params = msgspec.structs.replace(params, structured=tool_constraint)
+    chat = msgspec.structs.replace(chat_options(body), tools=tool_defs)
     return ParsedRequest(
         "chat", params, stream, include_usage, _boolean(body, "return_token_ids", False),
-        messages=messages, chat=chat_options(body), add_special_tokens=_boolean(body, "add_special_tokens", None),
+        messages=messages, chat=chat, add_special_tokens=_boolean(body, "add_special_tokens", None),
+        tool_mode=tool_mode,
     )
 
 
@@ -573,7 +590,25 @@ def _message(i: int, msg) -> ChatMessage:
         content = "\n".join(_text_part(f"{where}.content[{j}]", part) for j, part in enumerate(content))
     elif not isinstance(content, str):
         raise _wrong_type(f"{where}.content", "a string or an array of text parts", content)
-    return ChatMessage(role=role, content=content)
+    calls = msg.get("tool_calls") or []
+    if not isinstance(calls, list) or (calls and role != "assistant"):
+        raise ApiError(f"{where}.tool_calls must be an array, on an assistant message.", param=where)
+    tool_calls = [_tool_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
+    call_id, name = msg.get("tool_call_id"), msg.get("name")
+    if not isinstance(call_id, (str, type(None))) or not isinstance(name, (str, type(None))):
+        raise ApiError(f"{where}.tool_call_id and name must be strings.", param=where)
+    return ChatMessage(role=role, content=content, tool_calls=tool_calls, tool_call_id=call_id, name=name)
+
+
+def _tool_call(where: str, call) -> ToolCall:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ApiError(f"{where} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                       f"\"arguments\"}}}}.", param=where)
+    args = fn.get("arguments", "{}")
+    if not isinstance(args, str):
+        args = json.dumps(args)
+    return ToolCall(id=str(call.get("id") or ""), name=fn["name"], arguments=args)
 
 
 def _text_part(where: str, part) -> str:
@@ -611,6 +646,7 @@ class ChoiceState:
     prompt_text: str | None = None  # echo
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     started: bool = False  # its first chunk went out (a stream echoes the prompt there)
+    held: str = ""  # a stream with tools: the text so far, sent (as calls or text) at the end
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
 
@@ -628,6 +664,7 @@ class ResponseBuilder:
     def __init__(
         self, kind: str, request_id: str, model: str, include_usage: bool = False, return_token_ids: bool = False,
         num_choices: int = 1, params: SamplingParams | None = None, echo_only: bool = False,
+        tool_mode: ToolMode | None = None,
     ):
         self.kind, self.id, self.model = kind, request_id, model
         self.include_usage, self.return_token_ids = include_usage, return_token_ids
@@ -638,6 +675,8 @@ class ResponseBuilder:
         self.prompt_logprobs = params.prompt_logprobs is not None and not (params.echo and self.logprobs)
         self.echo, self.echo_only = params.echo, echo_only
         self.n = params.n if num_choices % params.n == 0 else 1
+        # with tools (other than tool_choice none) a choice's text is parsed for calls when it ends
+        self.tool_mode = tool_mode if tool_mode is not None and tool_mode.choice != "none" else None
 
     def record(self, msg) -> bool:
         """Note a TextDelta's counts; True once every choice has finished."""
@@ -701,6 +740,12 @@ class ResponseBuilder:
                 text, token_ids, finish_reason = "", [], "length"
             if self.kind == "chat":
                 choice = {"index": index, "message": {"role": "assistant", "content": text}}
+                if self.tool_mode is not None:
+                    content, calls = extract_calls(self.tool_mode, text)
+                    if calls:
+                        choice["message"] = {"role": "assistant", "content": content,
+                                             "tool_calls": render_calls(calls)}
+                        finish_reason = self._tool_finish(finish_reason)
             else:
                 choice = {"index": index, "text": (state.prompt_text or "") + text if self.echo else text}
             state.text_offset = 0
@@ -717,7 +762,8 @@ class ResponseBuilder:
     def chunk(
         self, text: str, finish_reason: str | None = None, role: bool = False, token_ids: list[int] = (),
         index: int = 0, logprobs: list[TokenLogprob] = (),
-    ) -> dict:
+    ) -> dict | None:
+        """One SSE chunk, or None while a choice with tools holds its text back."""
         state = self.choices[index] if index < len(self.choices) else ChoiceState()
         first = not state.started and not role
         if not role:
@@ -727,6 +773,15 @@ class ResponseBuilder:
             finish_reason = "length" if finish_reason is not None else None
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            if self.tool_mode is not None and not role:
+                state.held += text
+                if finish_reason is None:
+                    return None  # held until the end: calls or text
+                content, calls = extract_calls(self.tool_mode, state.held)
+                delta = {"content": content} if content else {}
+                if calls:
+                    delta["tool_calls"] = render_calls(calls, stream=True)
+                    finish_reason = self._tool_finish(finish_reason)
             choice, obj = {"index": index, "delta": delta}, "chat.completion.chunk"
         else:
             if first and self.echo:
@@ -742,6 +797,11 @@ class ResponseBuilder:
         if self.include_usage:
             out["usage"] = None
         return out
+
+    @staticmethod
+    def _tool_finish(finish_reason: str | None) -> str | None:
+        """Calls end a choice with "tool_calls", unless max_tokens cut it short."""
+        return "tool_calls" if finish_reason == "stop" else finish_reason
 
     def usage_chunk(self, usage_: dict) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

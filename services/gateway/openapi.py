@@ -137,6 +137,11 @@ def _chat_message() -> dict:
         "role": {"type": "string", "enum": list(CHAT_ROLES)},
         "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}], "nullable": True},
         "name": {"type": "string"},
+        "tool_call_id": {"type": "string"},
+        "tool_calls": {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {
+            "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+            "function": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string"}, "arguments": {"type": "string"}}}}}},
     }}
 
 
@@ -173,18 +178,24 @@ def _tokenize_paths(model_names: list[str]) -> dict:
 
 
 def _chat_request(model_names: list[str]) -> dict:
-    part = {"type": "object", "required": ["type", "text"],
-            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role"], "properties": {
-        "role": {"type": "string", "enum": list(CHAT_ROLES)},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}], "nullable": True},
-        "name": {"type": "string"},
-    }}
+    message = _chat_message()
     return {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "minItems": 1, "items": message},
         "logprobs": _nullable({"type": "boolean"}),
         "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
         **_CHAT_OPTIONS,
+        "tools": _nullable({"type": "array", "maxItems": 128, "items": {
+            "type": "object", "required": ["type", "function"], "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {"type": "object", "required": ["name"], "properties": {
+                    "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+                    "parameters": {"type": "object"}}}}}}),
+        "tool_choice": _nullable({"oneOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"], "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}),
+        "parallel_tool_calls": _nullable({"type": "boolean"}),
         "max_completion_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": _INT64_MAX}),
         **_sampling(model_names),
     }}

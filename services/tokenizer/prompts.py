@@ -14,6 +14,7 @@ from __future__ import annotations
 import msgspec
 from jinja2 import TemplateError
 
+from services.tokenizer.tool_prompt import conversation, template_knows_tools
 from shared import structured_output
 from shared.messages import (
     ChatMessage,
@@ -89,12 +90,15 @@ class PromptBuilder:
             raise PromptError("This model has no chat template: use /v1/completions.", "messages")
         if chat.continue_final_message and messages[-1].role != "assistant":
             raise PromptError("continue_final_message needs the last message to be the assistant's.", "messages")
+        conv, tools = conversation(messages, chat.tools, template_knows_tools(self.tokenizer))
+        extra = {"tools": tools} if tools else {}
         try:
             text = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in messages],
+                conv,
                 add_generation_prompt=chat.add_generation_prompt,
                 continue_final_message=chat.continue_final_message,
                 tokenize=False,
+                **extra,
                 **chat.template_kwargs,
             )
         except (TemplateError, ValueError, TypeError) as exc:  # templates raise on conversations they reject
