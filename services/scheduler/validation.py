@@ -61,6 +61,8 @@ def params_problem(p: SamplingParams) -> str | None:
         return "allowed_token_ids and logit_bias must name token ids"
     if not 0 <= p.min_tokens <= p.max_tokens:
         return f"min_tokens must be between 0 and max_tokens, got {p.min_tokens}"
+    if p.use_beam_search and (p.logprobs is not None or p.prompt_logprobs is not None or p.structured is not None):
+        return "beam search cannot be combined with logprobs, prompt_logprobs or structured output"
     for name, k in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
         if k is not None and not 0 <= k <= MAX_LOGPROBS:
             return f"{name} must be between 0 and {MAX_LOGPROBS}, got {k}"
