@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 
 from services.gateway.options import API_KEY_ENV, add_exposure_args, exposure_argv
 from services.gateway.supervision import STATE_ENV
-from shared.config import Addresses, add_address_args, add_log_args, add_model_args, default_run_dir
+from shared.config import (
+    Addresses,
+    add_address_args,
+    add_log_args,
+    add_model_args,
+    default_run_dir,
+    engine_addresses,
+)
 from shared.curve import load_keys
 from shared.model_files import default_served_name, resolve_model
 
@@ -64,6 +71,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-policy", default="paged",
                         choices=["paged", "reserve-max", "reserve-pow2", "reserve-oracle"])
     parser.add_argument("--tokenizer-replicas", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="engines (a scheduler and its executor each, with its own model copy and KV pool)")
+    parser.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
+                        help="with several engines: prefix-aware (with a load cap), least-loaded or round-robin")
     parser.add_argument("--executor-threads", type=int, default=None, help="torch threads in the executor")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="on CUDA, the fraction of GPU memory the executor may use (KV pool sizing)")
@@ -115,14 +126,26 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses) -> dict[str, 
     gateway = model + ["--host", args.host, "--port", str(args.port), "--served-model-name", served,
                        "--request-timeout", str(args.request_timeout)] + exposure_argv(args)
 
-    cmds = {
-        "scheduler": base + ["scheduler"] + scheduler + common,
-        "executor": base + ["executor"] + executor + common,
-        "gateway": base + ["gateway"] + gateway + common,
-    }
+    cmds = {}
+    # one engine: stages "scheduler" and "executor"; several: "scheduler-0", "executor-0", ...
+    dp = getattr(args, "data_parallel_size", 1)
+    engines = engine_addresses(addresses, dp)
+    for i, engine in enumerate(engines):
+        suffix = f"-{i}" if dp > 1 else ""
+        own = engine.as_argv() + common[len(addresses.as_argv()):] + ["--engine", f"engine-{i}"]
+        cmds[f"scheduler{suffix}"] = base + ["scheduler"] + scheduler + own
+        cmds[f"executor{suffix}"] = base + ["executor"] + executor + own
+    cmds["gateway"] = base + ["gateway"] + gateway + common
     tokenizer = model + (["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])
+    if dp > 1:
+        tokenizer += ["--routing", args.routing]
+        every = ",".join(e.scheduler_in for e in engines)
+        tokenizer_common = Addresses(**{**addresses.__dict__, "scheduler_in": every}).as_argv() + \
+            common[len(addresses.as_argv()):]
+    else:
+        tokenizer_common = common
     for i in range(args.tokenizer_replicas):
-        cmds[f"tokenizer-{i}"] = base + ["tokenizer", "--replica", f"tokenizer-{i}"] + tokenizer + common
+        cmds[f"tokenizer-{i}"] = base + ["tokenizer", "--replica", f"tokenizer-{i}"] + tokenizer + tokenizer_common
     return cmds
 
 

@@ -5,7 +5,8 @@ the gateway and the scheduler bind; tokenizer replicas and the executor connect.
 
     gateway  -ROUTER/DEALER tokenizer_in-> tokenizer(s) (to a live replica, by name)
     tokenizer --PUSH gateway_in-->   gateway
-    tokenizer <-DEALER/ROUTER scheduler_in-> scheduler (replies routed to the replica)
+    tokenizer <-DEALER/ROUTER scheduler_in-> scheduler (replies routed to the replica;
+                                              one scheduler_in per engine with data parallelism)
     scheduler --PUSH executor_in-->  executor
     executor  --PUSH executor_out--> scheduler
     every stage --PUSH status-->     gateway           (heartbeats, scheduler stats)
@@ -19,7 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 ADDRESS_NAMES = ("tokenizer_in", "gateway_in", "scheduler_in", "executor_in", "executor_out", "status")
 
@@ -59,6 +60,25 @@ class Addresses:
         for f in fields(self):
             out += [f"--{f.name.replace('_', '-')}", getattr(self, f.name)]
         return out
+
+
+ENGINE_ADDRESS_NAMES = ("scheduler_in", "executor_in", "executor_out")  # one of each per engine
+
+
+def engine_addresses(addresses: Addresses, n: int) -> list[Addresses]:
+    """Each of n engines' addresses (data parallelism): its own scheduler_in, executor_in
+    and executor_out, the rest shared. A comma-separated list gives one address per
+    engine; a single ipc:// address is numbered per engine (scheduler-in-1.ipc, ...)."""
+    per_engine: dict[str, list[str]] = {}
+    for name in ENGINE_ADDRESS_NAMES:
+        given = getattr(addresses, name).split(",")
+        if len(given) == n:
+            per_engine[name] = given
+        elif len(given) == 1 and given[0].startswith("ipc://") and given[0].endswith(".ipc"):
+            per_engine[name] = [given[0] if i == 0 else f"{given[0][:-4]}-{i}.ipc" for i in range(n)]
+        else:
+            raise SystemExit(f"--{name.replace('_', '-')}: give {n} comma-separated addresses, one per engine")
+    return [replace(addresses, **{name: per_engine[name][i] for name in ENGINE_ADDRESS_NAMES}) for i in range(n)]
 
 
 def address_env(name: str) -> str:

@@ -41,12 +41,14 @@ class HeartbeatThread(threading.Thread):
         state: Callable[[], str],
         stats: Callable[[], SchedulerStats | None] = lambda: None,
         interval_s: float = 0.25,
+        engine: str = "engine-0",
     ):
         super().__init__(name=f"heartbeat-{stage}", daemon=True)
         self._sock = PushSocket(ctx, address, StatusToGateway)
         self._sock.sock.setsockopt(zmq.SNDHWM, 4)  # stale heartbeats are worthless
         self.stage, self.replica, self.state, self.stats = stage, replica, state, stats
         self.interval_s = interval_s
+        self.engine = engine
         self.health_file = os.environ.get(HEALTH_FILE_ENV) or None
         self._stop_event = threading.Event()
 
@@ -56,6 +58,7 @@ class HeartbeatThread(threading.Thread):
                 beat = Heartbeat(
                     stage=self.stage, replica=self.replica, pid=os.getpid(), state=self.state(),
                     sent_at=time.time(), scheduler=self.stats(), instance=INSTANCE_ID,
+                    engine=self.engine,
                 )
                 self._sock.send_nowait(beat)
                 if self.health_file:

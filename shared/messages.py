@@ -140,7 +140,25 @@ class DetokenizeRequest(Struct, tag=True):
     token_ids: list[int]
 
 
-GatewayToTokenizer = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | WatchPool
+class EngineLoad(Struct, array_like=True):
+    """One engine that takes new requests, and its load from its scheduler's heartbeat."""
+
+    engine: str
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of its KV blocks in use
+    block_size: int = 16
+
+
+class EngineLoads(Struct, tag=True):
+    """Data parallelism: the engines new requests may go to (live ones only), sent by the
+    gateway to every tokenizer replica several times a second and at once when an engine
+    is lost or comes back; the replicas' EngineRouter routes by it."""
+
+    engines: list[EngineLoad]
+
+
+GatewayToTokenizer = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | WatchPool | EngineLoads
 
 
 # --- tokenizer -> gateway -------------------------------------------------------------
@@ -194,7 +212,15 @@ class TokenizeResult(Struct, tag=True):
     text: str | None = None  # a DetokenizeRequest's answer
 
 
-TokenizerToGateway = TextDelta | RequestError | RequestAccepted | TokenizeResult
+class RequestRouted(Struct, tag=True):
+    """Data parallelism: the engine a tokenizer replica sent a request to, so that the
+    gateway can send it again elsewhere if that engine dies or hangs."""
+
+    request_id: str
+    engine: str
+
+
+TokenizerToGateway = TextDelta | RequestError | RequestAccepted | TokenizeResult | RequestRouted
 
 
 # --- tokenizer -> scheduler -----------------------------------------------------------
@@ -394,6 +420,7 @@ class Heartbeat(Struct, tag=True):
     sent_at: float
     scheduler: SchedulerStats | None = None
     instance: str = ""  # new for every process, so a restart shows even under the same name
+    engine: str = "engine-0"  # the engine a scheduler or executor belongs to (data parallelism)
 
 
 # A block's state in PoolSnapshot.states: the byte is the index in BLOCK_STATES.

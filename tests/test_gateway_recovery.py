@@ -107,7 +107,7 @@ def make_watchdog():
     clock, lost = Clock(), {"tokenizer": [], "scheduler": [], "restarted": []}
     dog = StageWatchdog(lambda i: lost["tokenizer"].append(i) or 0,
                         lambda m: lost["scheduler"].append(m) or 0, lost_after_s=3.0, clock=clock,
-                        on_scheduler_restarted=lambda: lost["restarted"].append(1) or 0, scheduler_give_up_s=20.0)
+                        on_scheduler_restarted=lambda *_: lost["restarted"].append(1) or 0, scheduler_give_up_s=20.0)
     return dog, clock, lost
 
 

@@ -61,6 +61,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="bytes of host memory for the KV of swapped-out sequences (--preemption-mode swap)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--executor-id", default=None, help="name in heartbeats and ExecutorReady")
+    parser.add_argument("--engine", default="engine-0", help="the engine this executor serves (data parallelism)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "triton", "torch"],
                         help="auto: Triton kernels on CUDA, the C++ CPU kernels on the CPU (the torch reference if they cannot be built)")
@@ -92,7 +93,8 @@ class Executor:
         ctx = configure(zmq.Context(), stage_keys(args, addr))
         heartbeat = None
         if addr.status:
-            heartbeat = HeartbeatThread(ctx, addr.status, "executor", self.executor_id, lambda: self.state)
+            heartbeat = HeartbeatThread(ctx, addr.status, "executor", self.executor_id, lambda: self.state,
+                                        engine=args.engine)
             heartbeat.start()
         steps = results = None
         try:

@@ -16,7 +16,10 @@ its instance id). When the watchdog finds a replica dead, its requests, and thos
 replica has acknowledged yet, are sent again under a new pipeline id (the old one is
 aborted); `Replay` hides what the client already has. A restarted scheduler lost every
 request it had: all the requests in flight are sent again the same way. Only a
-scheduler gone for good (see the watchdog) ends them with a 503 error.
+scheduler gone for good (see the watchdog) ends them with a 503 error. With several
+engines (data parallelism) the tokenizer replica says which engine took each request
+(RequestRouted); when one engine restarts or is lost, only its requests are sent again,
+and the tokenizer replicas route them to the engines still serving.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from shared.config import Addresses
 from shared.messages import (
     AbortRequest,
     DetokenizeRequest,
+    EngineLoads,
     GatewayToTokenizer,
     GenerateRequest,
     RequestAccepted,
     RequestError,
+    RequestRouted,
     TextDelta,
     TokenizeRequest,
     TokenizeResult,
@@ -88,7 +93,8 @@ def unavailable(request_id: str, message: str) -> RequestError:
 
 class EngineClient:
     def __init__(self, ctx: zmq.asyncio.Context, addrs: Addresses, *, replicas: Callable[[], list[str]],
-                 on_retry: Callable[[], None] = lambda: None, max_buffered: int = DEFAULT_MAX_BUFFERED):
+                 on_retry: Callable[[], None] = lambda: None, max_buffered: int = DEFAULT_MAX_BUFFERED,
+                 on_routed: Callable[[str], None] = lambda engine: None):
         """replicas: the names of the live tokenizer replicas, asked before each send."""
         self.max_buffered = max_buffered
         self._to_tokenizer = TokenizerRouter(AsyncRouterSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer), replicas)
@@ -96,6 +102,7 @@ class EngineClient:
         self._streams: dict[str, RequestStream] = {}  # by pipeline id
         self._calls: dict[str, asyncio.Future] = {}  # one-shot requests (/tokenize, /detokenize) by id
         self.on_retry = on_retry
+        self.on_routed = on_routed
 
     @property
     def num_in_flight(self) -> int:
@@ -126,6 +133,9 @@ class EngineClient:
                 continue
             if isinstance(msg, RequestAccepted):
                 stream.owner = msg.instance
+            elif isinstance(msg, RequestRouted):
+                stream.engine = msg.engine
+                self.on_routed(msg.engine)
             elif stream.queue.qsize() >= self.max_buffered:
                 self._overflow(stream)
             else:
@@ -177,12 +187,24 @@ class EngineClient:
             stream.interrupt(_RETRY)
         return len(hit)
 
-    def scheduler_restarted(self) -> int:
-        """A new scheduler instance knows none of the requests in flight: send them again."""
-        hit = [s for s in self._streams.values() if s.sent]
+    def scheduler_restarted(self, engine: str | None = None) -> int:
+        """A new scheduler instance knows none of the requests in flight: send them again
+        (with several engines, those of its engine and those not routed yet)."""
+        hit = [s for s in self._streams.values() if s.sent and s.engine in (engine, None)]
         for stream in hit:
             stream.interrupt(_Retry("scheduler"))
         return len(hit)
+
+    def engine_lost(self, engine: str) -> int:
+        """An engine stopped serving while others serve: its requests go to them."""
+        hit = [s for s in self._streams.values() if s.sent and s.engine == engine and not s.interrupted]
+        for stream in hit:
+            stream.interrupt(_Retry(f"engine {engine}"))
+        return len(hit)
+
+    def broadcast(self, msg: EngineLoads) -> None:
+        """To every live tokenizer replica, without waiting (a full one misses this one)."""
+        self._to_tokenizer.broadcast(msg)
 
     def scheduler_lost(self, message: str) -> int:
         streams = list(self._streams.values())
@@ -208,6 +230,7 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.owner: str | None = None  # instance of the tokenizer replica that took it
         self.sent_to: str | None = None  # the name of the replica it was sent to
+        self.engine: str | None = None  # the engine it runs on, once a replica routed it
         self.sent = False
         self.started = False  # a token came back
         self.done = False  # the last message arrived: nothing to abort
@@ -239,6 +262,10 @@ class RequestStream:
         except asyncio.TimeoutError as exc:
             raise RequestTimeout from exc
         self.sent = True
+
+    @property
+    def interrupted(self) -> bool:
+        return self._interrupted
 
     def interrupt(self, item: _Retry | _Lost) -> None:
         if not self._interrupted and not self.done:
@@ -294,7 +321,7 @@ class RequestStream:
         self.attempt += 1
         self.pipeline_id = f"{self.request_id}-retry{self.attempt}"
         self.queue = asyncio.Queue()
-        self.owner, self.sent, self._interrupted = None, False, False
+        self.owner, self.engine, self.sent, self._interrupted = None, None, False, False
         self._replay.restart()
         self._client._streams[self.pipeline_id] = self
         self._client.on_retry()

@@ -29,11 +29,12 @@ class StageTracker:
         self._beats: dict[tuple[str, str], tuple[Heartbeat, float]] = {}
         self._on_stats = on_scheduler_stats
         self._clock = clock
+        self.engines: Callable[[], dict] | None = None  # data parallelism: /health's "engines"
 
     def record(self, beat: Heartbeat) -> None:
         self._beats[(beat.stage, beat.replica)] = (beat, self._clock())
         if beat.scheduler is not None and self._on_stats is not None:
-            self._on_stats(beat.replica, beat.scheduler)
+            self._on_stats(beat.replica, beat.scheduler, beat.engine)
 
     def report(self) -> tuple[bool, dict]:
         """(healthy, a JSON-able body listing every replica with its state and age)."""
@@ -50,14 +51,17 @@ class StageTracker:
                 "state": beat.state,
                 "age_s": round(age, 3),
                 "ready": beat.state == "ready" and age <= FRESH_S,
+                **({"engine": beat.engine} if beat.stage in ("scheduler", "executor") else {}),
             })
         missing = [name for name in REQUIRED_STAGES if not any(r["ready"] for r in stages[name])]
         restarting = self._supervision.restarting() if self._supervision else {}
         for name in restarting:  # launcher names: gateway, scheduler, executor, tokenizer-0, ...
-            stage = name.rsplit("-", 1)[0] if name.startswith("tokenizer-") else name
+            stage = name.rsplit("-", 1)[0] if name.startswith(("tokenizer-", "scheduler-", "executor-")) else name
             if stage not in missing:
                 missing.append(stage)
         body = {"status": "ok" if not missing else "unavailable", "not_ready": missing, "stages": stages}
         if restarting:
             body["restarting"] = restarting
+        if self.engines is not None:
+            body["engines"] = self.engines()
         return not missing, body

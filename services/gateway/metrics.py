@@ -1,6 +1,7 @@
 """Prometheus metrics the gateway exposes on /metrics, in their own registry.
 
-Gauges mirror the scheduler's latest heartbeat; token and request counters and the
+Gauges mirror the schedulers' latest heartbeats (summed over the engines, and per engine
+under `pagedserve_engine_*{engine=...}` with data parallelism); token and request counters and the
 latency histograms are measured here, from the TextDeltas each request receives. Stage
 restarts come from the launcher's state file (services/gateway/supervision.py).
 """
@@ -114,13 +115,46 @@ class Metrics:
         self.swapped_in = Counter(
             "pagedserve_num_swapped_in", "Swapped-out sequences whose KV came back", registry=r)
         self._totals_seen: dict[tuple[str, str], float] = {}
+        self._latest: dict[str, SchedulerStats] = {}  # by scheduler replica
+        # per engine (data parallelism)
+        self.engine_running = Gauge("pagedserve_engine_num_requests_running", "Requests an engine runs",
+                                    ["engine"], registry=r)
+        self.engine_waiting = Gauge("pagedserve_engine_num_requests_waiting", "Requests waiting in an engine",
+                                    ["engine"], registry=r)
+        self.engine_kv_usage = Gauge("pagedserve_engine_kv_cache_usage_ratio", "Fraction of an engine's KV blocks in use",
+                                     ["engine"], registry=r)
+        self.engine_prefix_queries = Counter(
+            "pagedserve_engine_prefix_cache_queries", "Prompt tokens an engine looked up in its prefix cache",
+            ["engine"], registry=r)
+        self.engine_prefix_hits = Counter(
+            "pagedserve_engine_prefix_cache_hits", "Prompt tokens an engine found in its prefix cache",
+            ["engine"], registry=r)
+        self.engine_routed = Counter(
+            "pagedserve_engine_requests_routed", "Requests the tokenizer replicas routed to an engine",
+            ["engine"], registry=r)
+        self.routed: dict[str, int] = {}
 
-    def observe_scheduler(self, replica: str, stats: SchedulerStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.blocks_total.set(stats.kv_blocks_total)
-        self.blocks_used.set(stats.kv_blocks_used)
-        self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+    def observe_routed(self, engine: str) -> None:
+        self.engine_routed.labels(engine).inc()
+        self.routed[engine] = self.routed.get(engine, 0) + 1
+
+    def observe_scheduler(self, replica: str, stats: SchedulerStats, engine: str = "engine-0") -> None:
+        self._latest[replica] = stats
+        every = self._latest.values()
+        self.running.set(sum(s.num_running for s in every))
+        self.waiting.set(sum(s.num_waiting for s in every))
+        total, used = sum(s.kv_blocks_total for s in every), sum(s.kv_blocks_used for s in every)
+        self.blocks_total.set(total)
+        self.blocks_used.set(used)
+        self.kv_usage.set(used / total if total else 0.0)
+        self.engine_running.labels(engine).set(stats.num_running)
+        self.engine_waiting.labels(engine).set(stats.num_waiting)
+        self.engine_kv_usage.labels(engine).set(
+            stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+        self._mirror(replica, self.engine_prefix_queries.labels(engine), stats.prefix_cache_queries_total,
+                     "engine_prefix_queries")
+        self._mirror(replica, self.engine_prefix_hits.labels(engine), stats.prefix_cache_hits_total,
+                     "engine_prefix_hits")
         self._mirror(replica, self.preemptions, stats.num_preemptions_total)
         self._mirror(replica, self.decode_steps, stats.decode_steps_total)
         self._mirror(replica, self.decode_step_seconds, stats.decode_step_seconds_total)
@@ -139,10 +173,10 @@ class Metrics:
                                 ("external_fragmentation", stats.kv_slots_external_frag), ("free", free)):
             self.kv_slots.labels(category).set(slots)
 
-    def _mirror(self, replica: str, counter: Counter, total: float) -> None:
+    def _mirror(self, replica: str, counter: Counter, total: float, name: str | None = None) -> None:
         """Advance a counter to a running total the scheduler reports; a smaller total
         means the scheduler restarted and counts from zero again."""
-        key = (replica, counter._name)
+        key = (replica, name or counter._name)
         seen = self._totals_seen.get(key, 0)
         counter.inc(total - seen if total >= seen else total)
         self._totals_seen[key] = total

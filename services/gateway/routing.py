@@ -50,6 +50,10 @@ class TokenizerRouter:
                 return name
         return None
 
+    def broadcast(self, msg) -> int:
+        """msg to every live replica that can take it now; how many took it."""
+        return sum(self._sock.try_send(name.encode(), msg) == SENT for name in self._replicas())
+
     async def send(self, msg, prefer: str | None = None) -> str:
         """Like send_nowait, but waits for a replica to take it (bound it with wait_for)."""
         while True:

@@ -27,6 +27,7 @@ from services.gateway.app import Gateway
 from services.gateway.dashboard import DashboardHub
 from services.gateway.dashboard_http import DashboardRoutes
 from services.gateway.engine_client import EngineClient
+from services.gateway.engines import EnginePublisher, engines_report
 from services.gateway.health import StageTracker
 from services.gateway.metrics import Metrics
 from services.gateway.options import add_exposure_args
@@ -80,7 +81,8 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
     ctx = configure(zmq.asyncio.Context(), keys)
     supervision = SupervisionState.from_env()
     metrics = Metrics(supervision)
-    client = EngineClient(ctx, addrs, on_retry=metrics.retries.inc, replicas=lambda: watchdog.live_tokenizers())
+    client = EngineClient(ctx, addrs, on_retry=metrics.retries.inc, replicas=lambda: watchdog.live_tokenizers(),
+                          on_routed=metrics.observe_routed)
     status = AsyncPullSocket(ctx, addrs.status, StatusToGateway, bind=True)
     tracker = StageTracker(metrics.observe_scheduler, supervision=supervision)
 
@@ -89,7 +91,12 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
         metrics.lost.inc(n)
         return n
 
-    watchdog = StageWatchdog(client.replica_lost, scheduler_lost, on_scheduler_restarted=client.scheduler_restarted)
+    publisher = EnginePublisher(None, client.broadcast)
+    watchdog = StageWatchdog(client.replica_lost, scheduler_lost,
+                             on_scheduler_restarted=publisher.then(client.scheduler_restarted),
+                             on_engine_lost=publisher.then(client.engine_lost))
+    publisher.watchdog = watchdog
+    tracker.engines = lambda: engines_report(watchdog, lambda e: metrics.routed.get(e, 0))
     admission = Admission(api_key_from(args.api_key), args.max_queued_requests,
                           lambda: client.num_waiting, lambda: watchdog.missing_stage, args.metrics_public)
     served = args.served_model_name or default_served_name(args.model)
@@ -97,7 +104,7 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
                       admission, args.max_request_bytes, args.client_timeout)
     hub = DashboardHub(metrics, client.watch_pool)
     tasks = [loop.create_task(client.run_reader()), loop.create_task(_read_status(status, tracker, watchdog, hub)),
-             loop.create_task(_watch(watchdog)), loop.create_task(hub.run())]
+             loop.create_task(_watch(watchdog)), loop.create_task(hub.run()), loop.create_task(publisher.run())]
     app = gateway.make_app()
     DashboardRoutes(hub, args.client_timeout).add_to(app)
 

@@ -72,6 +72,7 @@ WARMUP_FACTOR = 5  # the first step after an executor announces itself may compi
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", default="engine-0", help="the engine this scheduler leads (data parallelism)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="max running requests")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     parser.add_argument("--max-model-len", type=int, default=None, help="cap below the model's own")
@@ -87,6 +88,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "first step after it starts, which may compile kernels")
     add_address_args(parser, required=False)
     add_log_args(parser)
+
+
+def scheduler_name(engine: str) -> str:
+    """The scheduler's replica name in heartbeats: "scheduler" for the first engine."""
+    return "scheduler" if engine == "engine-0" else f"scheduler-{engine.removeprefix('engine-')}"
 
 
 class SchedulerService:
@@ -108,8 +114,8 @@ class SchedulerService:
         self.executor_warm = False  # it answered a step since it announced itself
         self.pending: list[tuple[bytes, TokenizedRequest]] = []  # before the executor is up
         self.heartbeat = HeartbeatThread(
-            ctx, addr.status, "scheduler", "scheduler", self._state,
-            lambda: self.stats,
+            ctx, addr.status, "scheduler", scheduler_name(args.engine), self._state,
+            lambda: self.stats, engine=args.engine,
         )
         self.recently_aborted: dict[str, float] = {}  # request id -> when its abort came
         self.outbox = Outbox(self.requests_in, STALL_TIMEOUT_S)
@@ -128,7 +134,7 @@ class SchedulerService:
             kv_slots_internal_frag=int(usage.internal_frag), kv_slots_external_frag=int(usage.external_frag))
 
     def send_snapshot(self) -> None:
-        snapshot = pool_snapshot(self.scheduler, "scheduler", INSTANCE_ID, self.args.kv_policy)
+        snapshot = pool_snapshot(self.scheduler, scheduler_name(self.args.engine), INSTANCE_ID, self.args.kv_policy)
         self.snapshots_out.send_nowait(snapshot)
 
     def _state(self) -> str:

@@ -8,7 +8,10 @@ made no turn for STUCK_AFTER_S (a hung tokenizer call, say): the gateway then ro
 around it and replays its requests elsewhere. Scheduler messages are served first: they carry
 tokens users are waiting for, while a new prompt can wait a moment. Each new request is
 acknowledged to the gateway with this process's instance id, so that the gateway can
-retry the requests of a replica that dies.
+retry the requests of a replica that dies. With several engines (data parallelism,
+--scheduler-in a comma-separated list, one address per engine) it routes each request
+to one of them (`engines.EngineLinks`, `engine_router.EngineRouter`), by the engines'
+loads the gateway sends (EngineLoads).
 """
 
 from __future__ import annotations
@@ -24,16 +27,18 @@ import time
 import zmq
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from services.tokenizer.engine_router import POLICIES
+from services.tokenizer.engines import EngineLinks
 from services.tokenizer.prompts import PromptBuilder
 from services.tokenizer.stage import TokenizerStage
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
 from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
 from shared.messages import (
+    EngineLoads,
     GatewayToTokenizer,
     GenerateRequest,
     RequestAccepted,
-    SchedulerToTokenizer,
     TokenizerToGateway,
 )
 from shared.model_files import resolve_model
@@ -53,6 +58,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None,
         help="context length to enforce (default: the model's max_position_embeddings)",
     )
+    parser.add_argument("--routing", default="prefix", choices=POLICIES,
+                        help="with several engines: how requests are spread over them")
     add_address_args(parser, required=False)
     add_log_args(parser)
 
@@ -100,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     heartbeat = HeartbeatThread(ctx, addrs.status, "tokenizer", replica, health)
     heartbeat.start()
     to_gateway = PushSocket(ctx, addrs.gateway_in, TokenizerToGateway, bind=False)
-    scheduler = DealerSocket(ctx, addrs.scheduler_in, SchedulerToTokenizer, identity=replica)
+    scheduler = EngineLinks(ctx, addrs.scheduler_in.split(","), replica, args.routing, to_gateway.send)
     from_gateway = None
     try:
         tokenizer, prompts, eos = load_model(args.model, args.max_model_len)
@@ -136,7 +143,7 @@ class _Progress:
         return time.monotonic() - self.at
 
 
-def _serve(stage: TokenizerStage, from_gateway: DealerSocket, scheduler: DealerSocket, stop, accepted,
+def _serve(stage: TokenizerStage, from_gateway: DealerSocket, scheduler: EngineLinks, stop, accepted,
            progress: _Progress) -> None:
     while not stop.is_set():
         progress.turned()
@@ -148,9 +155,13 @@ def _serve(stage: TokenizerStage, from_gateway: DealerSocket, scheduler: DealerS
             msg = from_gateway.recv(timeout_ms=0)
             if msg is None:
                 break
+            busy = True
+            if isinstance(msg, EngineLoads):
+                scheduler.update(msg)
+                continue
             if isinstance(msg, GenerateRequest):
                 accepted(msg.request_id)
             stage.handle_gateway(msg)
-            busy = True
+        scheduler.forget_finished(stage.active)
         if not busy:
-            wait_readable([from_gateway, scheduler], POLL_MS)
+            wait_readable([from_gateway, *scheduler.sockets.values()], POLL_MS)

@@ -1,0 +1,75 @@
+"""Data parallelism in the gateway: what it tells the tokenizer replicas and /health of the engines.
+
+The watchdog tracks each engine (its scheduler and executor, by the engine named in their
+heartbeats). Several times a second, and at once before an engine's requests are sent
+again, every live tokenizer replica gets EngineLoads: the engines serving now with their
+running and waiting requests and KV usage (from their schedulers' heartbeats), which their
+EngineRouters route by. With a single engine nothing is sent: there is nothing to choose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from services.gateway.watchdog import EngineState, StageWatchdog
+from shared.messages import EngineLoad, EngineLoads
+
+log = logging.getLogger(__name__)
+
+PUBLISH_INTERVAL_S = 0.25
+
+
+def engine_loads(watchdog: StageWatchdog) -> EngineLoads:
+    return EngineLoads([_load(name, e) for name, e in watchdog.serving_engines().items()])
+
+
+def _load(name: str, e: EngineState) -> EngineLoad:
+    st = e.stats
+    if st is None:
+        return EngineLoad(name)
+    usage = st.kv_blocks_used / st.kv_blocks_total if st.kv_blocks_total else 0.0
+    return EngineLoad(name, st.num_running, st.num_waiting, usage, st.block_size)
+
+
+class EnginePublisher:
+    def __init__(self, watchdog: StageWatchdog | None, broadcast: Callable[[EngineLoads], object]):
+        self.watchdog = watchdog  # set once made: the watchdog's callbacks come from here
+        self._broadcast = broadcast
+
+    def publish(self) -> None:
+        if self.watchdog is not None and len(self.watchdog.engines) > 1:
+            self._broadcast(engine_loads(self.watchdog))
+
+    def then(self, action: Callable[[str], int]) -> Callable[[str], int]:
+        """action (resending an engine's requests), after the replicas learn which engines serve."""
+        def run(engine: str) -> int:
+            self.publish()
+            return action(engine)
+        return run
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(PUBLISH_INTERVAL_S)
+            try:
+                self.publish()
+            except Exception:
+                log.exception("publishing engine loads failed")
+
+
+def engines_report(watchdog: StageWatchdog, routed: Callable[[str], int]) -> dict[str, dict]:
+    """/health's "engines": every engine seen, whether it takes requests, and its load."""
+    out = {}
+    for name, e in sorted(watchdog.engines.items()):
+        st = e.stats
+        out[name] = {
+            "serving": e.serving,
+            "scheduler": "down" if e.scheduler_down else ("ready" if e.scheduler_ready else "starting"),
+            "executor": "down" if not e.executor_up else ("ready" if e.executor_ready else "starting"),
+            "num_running": st.num_running if st else 0,
+            "num_waiting": st.num_waiting if st else 0,
+            "kv_usage": round(st.kv_blocks_used / st.kv_blocks_total, 4) if st and st.kv_blocks_total else 0.0,
+            "requests_routed": routed(name),
+        }
+    return out
