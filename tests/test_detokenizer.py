@@ -144,3 +144,19 @@ def test_stop_string_made_of_multibyte_characters(tok):
     assert "".join(pieces) == "Before "
     assert all(REPLACEMENT_CHAR not in p for p in pieces)
     assert d.stopped
+
+
+def test_stop_strings_wait_for_min_tokens():
+    from transformers import AutoTokenizer
+
+    from services.tokenizer.detokenizer import Detokenizer
+    from shared.messages import SamplingParams
+    from shared.model_files import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
+    ids = tok.encode(" a b a b a b")
+    early = Detokenizer(tok, SamplingParams(stop=["b"]))
+    assert "".join(early.step([t]) for t in ids) == " a " and early.stopped
+    late = Detokenizer(tok, SamplingParams(stop=["b"], min_tokens=4))
+    out = "".join(late.step([t]) for t in ids)
+    assert late.stopped and out == " a b a "  # the "b" of the 4th token is the first that counts

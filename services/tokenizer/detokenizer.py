@@ -41,6 +41,7 @@ class Detokenizer:
                        else {"spaces_between_special_tokens": spaces_between_special_tokens})
         self._stops = [s for s in params.stop if s]
         self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         if self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []  # an unfinished character would make the prefix text unstable
@@ -90,7 +91,7 @@ class Detokenizer:
     def _release(self, final: bool) -> str:
         start = self._sent
         end = len(self._text)
-        if self._stops:
+        if self._stops and self.num_output_tokens >= self._min_tokens:  # (as vLLM: none before min_tokens)
             match = self._find_stop(start)
             if match is not None:
                 index, stop = match
