@@ -50,6 +50,8 @@ class SamplingParams(Struct, frozen=True):
     spaces_between_special_tokens: bool = True
     echo: bool = False  # the tokenizer stage sends the prompt's text back with the first delta
     structured: StructuredOutput | None = None
+    bad_words: list[str] = []  # never generated (the tokenizer stage fills bad_words_ids)
+    bad_words_ids: list[list[int]] = []
 
 
 class ChatOptions(Struct, frozen=True):
@@ -285,6 +287,7 @@ class SeqSampling(Struct, frozen=True):
     min_tokens_mask: list[int] = []  # tokens masked while output_index < min_tokens (EOS, stop ids)
     logprobs: int | None = None  # return the sampled token's logprob and this many top ones
     structured: StructuredOutput | None = None
+    bad_words_ids: list[list[int]] = []  # a word's last token is masked after the rest of it
 
     @property
     def needs_history(self) -> bool:
@@ -294,7 +297,7 @@ class SeqSampling(Struct, frozen=True):
     @property
     def needs_output(self) -> bool:
         """The executor must see the tokens generated so far (penalties, a grammar's state)."""
-        return self.needs_history or self.structured is not None
+        return self.needs_history or self.structured is not None or bool(self.bad_words_ids)
 
 
 class ScheduledSeq(Struct):

@@ -124,3 +124,17 @@ def test_greedy_rows_see_the_processors_too():
 def test_penalized_row_without_history_is_an_error():
     with pytest.raises(ValueError, match="history"):
         apply_processors(logits_for(1), [with_(presence_penalty=1.0)], [0])
+
+
+def test_bad_words_equal_no_bad_words():
+    from transformers import NoBadWordsLogitsProcessor
+
+    logits = logits_for(3, seed=8)
+    words = [[5], [7, 9], [1, 2, 3]]
+    outputs = [[4, 7], [1, 2], [9, 9]]  # row 0 ends with 7 (bans 9), row 1 with 1, 2 (bans 3)
+    params = [with_(bad_words_ids=words)] * 3
+    got = apply_processors(logits, params, [2, 2, 2], [History([], o) for o in outputs])
+    proc = NoBadWordsLogitsProcessor(words, eos_token_id=None)
+    for i, out in enumerate(outputs):
+        want = proc(torch.tensor([out]), logits[i : i + 1].clone())
+        torch.testing.assert_close(got[i : i + 1], want)

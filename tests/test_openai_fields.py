@@ -56,7 +56,7 @@ def test_empty_stream_options_mean_include_usage():
 @pytest.mark.parametrize("body", [
     {"suffix": "x"}, {"best_of": 3}, {"functions": [{"name": "f"}]},
     {"guided_whitespace_pattern": " "}, {"logits_processors": ["x"]}, {"typical_p": 0.5},
-    {"chat_template": "{{ messages }}"}, {"bad_words": ["x"]}, {"mirostat": 2}, {"truncate_prompt_tokens": 3},
+    {"chat_template": "{{ messages }}"}, {"mirostat": 2}, {"truncate_prompt_tokens": 3},
 ])
 def test_answer_changing_fields_are_refused_by_name(body):
     (name,) = body

@@ -3,11 +3,13 @@
 Applied in this order, before temperature (as vLLM does):
 1. `allowed_token_ids`: every other token is masked (-inf);
 2. `min_tokens`: while a row has produced fewer tokens, its EOS and stop token ids are masked;
-3. `logit_bias`: added to the logits of the tokens named;
-4. `repetition_penalty` r (transformers' `RepetitionPenaltyLogitsProcessor`, vLLM's): the
+3. `bad_words` (as transformers' `NoBadWordsLogitsProcessor`): a word's last token is masked
+   when the output ends with the rest of it (a one-token word always);
+4. `logit_bias`: added to the logits of the tokens named;
+5. `repetition_penalty` r (transformers' `RepetitionPenaltyLogitsProcessor`, vLLM's): the
    logit of every token seen in the prompt or the output is divided by r when positive,
    multiplied by r when negative;
-5. `frequency_penalty` f and `presence_penalty` p (OpenAI's): logit -= f * count + p * (count > 0),
+6. `frequency_penalty` f and `presence_penalty` p (OpenAI's): logit -= f * count + p * (count > 0),
    counting the tokens generated so far only.
 
 A row's history (its prompt and output token ids) is turned into counts with one
@@ -36,7 +38,7 @@ class History:
 
 
 def _uses_any(p: SeqSampling, output_index: int) -> bool:
-    return bool(p.allowed_token_ids or p.logit_bias or p.needs_history
+    return bool(p.allowed_token_ids or p.logit_bias or p.needs_history or p.bad_words_ids
                 or (output_index < p.min_tokens and p.min_tokens_mask))
 
 
@@ -61,6 +63,15 @@ def _flat(pairs: list[tuple[int, int]], vocab: int, device) -> tuple[Tensor, Ten
     return rows, toks
 
 
+def _ends_with(histories, row: int, prefix: list[int]) -> bool:
+    if not prefix:
+        return True
+    if histories is None or histories[row] is None:
+        raise ValueError("a row with multi-token bad words has no token history")
+    out = histories[row].output_token_ids
+    return len(out) >= len(prefix) and list(out[len(out) - len(prefix):]) == list(prefix)
+
+
 def apply_processors(logits: Tensor, params: Sequence[SeqSampling], output_indices: Sequence[int],
                      histories: Sequence[History | None] | None = None) -> Tensor:
     """logits [rows, vocab] float32 with each row's processors applied (a new tensor, or the
@@ -83,6 +94,12 @@ def apply_processors(logits: Tensor, params: Sequence[SeqSampling], output_indic
               for tok in p.min_tokens_mask]
     if masked:
         r, t = _flat(masked, vocab, device)
+        logits[r, t] = ninf
+
+    banned = [(i, word[-1]) for i, p in enumerate(params) for word in p.bad_words_ids
+              if word and _ends_with(histories, i, word[:-1])]
+    if banned:
+        r, t = _flat(banned, vocab, device)
         logits[r, t] = ninf
 
     biased = [(i, tok, b) for i, p in enumerate(params) for tok, b in p.logit_bias if 0 <= tok < vocab]

@@ -148,7 +148,7 @@ class ModelRunner:
         if num_sampled:
             params = [s.sampling for s in seqs]
             indices = [s.output_index for s in seqs]
-            histories = [History(s.prompt_token_ids, s.output_token_ids) if s.sampling.needs_history else None
+            histories = [History(s.prompt_token_ids, s.output_token_ids) if s.sampling.needs_output else None
                          for s in seqs]
             raw = logits[:num_sampled]
             processed = self.sampler.process(raw, params, indices, histories)

@@ -36,7 +36,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
     "grammar": (),
-    "bad_words": (),
     "truncate_prompt_tokens": (),
     "logits_processors": (),
     "audio": (),

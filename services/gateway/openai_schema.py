@@ -58,7 +58,7 @@ _COMMON_FIELDS = {
     "stream", "stream_options", "n_predict", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias", "min_tokens", "allowed_token_ids", "logprobs", "prompt_logprobs", "skip_special_tokens",
     "spaces_between_special_tokens", "add_special_tokens", "response_format", "structured_outputs", "guided_json",
-    "guided_regex", "guided_choice", "guided_grammar", "json_schema",
+    "guided_regex", "guided_choice", "guided_grammar", "json_schema", "bad_words",
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
@@ -454,7 +454,22 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
         logit_bias=_logit_bias(body),
         min_tokens=_min_tokens(body, max_tokens),
         allowed_token_ids=_token_id_list(body, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, allow_empty=False),
+        bad_words=_bad_words(body),
     )
+
+
+def _bad_words(body: dict) -> list[str]:
+    words = body.get("bad_words")
+    if words is None:
+        return []
+    if isinstance(words, str):
+        words = [words]
+    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise _wrong_type("bad_words", "an array of non-empty strings", words)
+    if len(words) > MAX_STOP_STRINGS * 4 or any(len(w) > MAX_STOP_STRING_CHARS for w in words):
+        raise ApiError(f"At most {MAX_STOP_STRINGS * 4} bad_words of up to {MAX_STOP_STRING_CHARS} characters.",
+                       param="bad_words")
+    return words
 
 
 def _repetition_penalty(body: dict) -> float:

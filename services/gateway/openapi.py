@@ -104,6 +104,8 @@ def _sampling(model_names: list[str]) -> dict:
             "choice": {"type": "array", "items": {"type": "string"}}, "grammar": {"type": "string"},
             "json_object": {"type": "boolean"}}}),
         "skip_special_tokens": _nullable({"type": "boolean"}),
+        "bad_words": _nullable({"type": "array", "maxItems": MAX_STOP_STRINGS * 4, "items": {
+            "type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS, "pattern": "\\S"}}),
         "spaces_between_special_tokens": _nullable({"type": "boolean"}),
         "add_special_tokens": _nullable({"type": "boolean"}),
         "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,

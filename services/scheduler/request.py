@@ -95,7 +95,7 @@ class Request:
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids,
             min_tokens=p.min_tokens, min_tokens_mask=mask if p.min_tokens else [], logprobs=p.logprobs,
-            structured=p.structured,
+            structured=p.structured, bad_words_ids=p.bad_words_ids,
         )
 
     @property

@@ -57,8 +57,9 @@ def params_problem(p: SamplingParams) -> str | None:
         return f"seed must be between {-MAX_SEED} and {MAX_SEED}, got {p.seed}"
     if any(not 0 <= t <= MAX_TOKEN_ID for t in p.stop_token_ids):
         return "stop_token_ids must be token ids"
-    if any(not 0 <= t <= MAX_TOKEN_ID for t in (*p.allowed_token_ids, *(t for t, _ in p.logit_bias))):
-        return "allowed_token_ids and logit_bias must name token ids"
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in (*p.allowed_token_ids, *(t for t, _ in p.logit_bias),
+                                                 *(t for word in p.bad_words_ids for t in word))):
+        return "allowed_token_ids, logit_bias and bad_words_ids must name token ids"
     if not 0 <= p.min_tokens <= p.max_tokens:
         return f"min_tokens must be between 0 and max_tokens, got {p.min_tokens}"
     if p.use_beam_search and (p.logprobs is not None or p.prompt_logprobs is not None or p.structured is not None):

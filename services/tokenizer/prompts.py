@@ -115,10 +115,24 @@ class PromptBuilder:
         return list(ids)
 
     def resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
-        """params with max_tokens set: None becomes the rest of the context."""
-        if params.max_tokens is not None:
-            return params
-        return msgspec.structs.replace(params, max_tokens=self.max_model_len - prompt_len)
+        """params with max_tokens set (None becomes the rest of the context) and bad_words as
+        token ids."""
+        if params.max_tokens is None:
+            params = msgspec.structs.replace(params, max_tokens=self.max_model_len - prompt_len)
+        if params.bad_words and not params.bad_words_ids:
+            params = msgspec.structs.replace(params, bad_words_ids=self.bad_words_ids(params.bad_words))
+        return params
+
+    def bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens, as written and after a space (as vLLM: a word mid-text usually
+        follows one)."""
+        out = set()
+        for word in words:
+            for prefix in ("", " "):
+                ids = self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+                if ids:
+                    out.add(tuple(ids))
+        return [list(ids) for ids in sorted(out)]
 
     def _check_length(self, prompt_len: int, max_tokens: int | None, what: str) -> None:
         if max_tokens is None and prompt_len >= self.max_model_len:

@@ -417,3 +417,18 @@ def test_skip_special_tokens_and_stop_reason(client, tiny_model_dir):
     stop = plain.text[1:3]
     by_str = client.completions.create(**body, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
     assert by_str.finish_reason == "stop" and by_str.model_extra["stop_reason"] == stop
+
+
+def test_bad_words_are_never_generated(client, hf_model, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    hf_model.generation_config.eos_token_id = None
+    plain = _served(client, ignore_eos=True, max_tokens=8)
+    word = tok.decode(plain[:1]).strip()
+    if not word:  # a token that is only a space or a special token: pick the next one that shows
+        word = next(tok.decode([t]).strip() for t in plain if tok.decode([t]).strip())
+    banned = [ids for ids in (tok.encode(w, add_special_tokens=False) for w in (word, " " + word)) if ids]
+    want = _hf_generate(hf_model, PROMPT, 8, bad_words_ids=banned)
+    got = _served(client, ignore_eos=True, max_tokens=8, bad_words=[word])
+    assert got == want != plain
