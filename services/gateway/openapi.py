@@ -98,6 +98,11 @@ def _sampling(model_names: list[str]) -> dict:
             "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
             "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
                                                              "strict": _nullable({"type": "boolean"})}}}}),
+        "guided_json": _nullable({"oneOf": [{"type": "object"}, {"type": "string"}]}),
+        "guided_regex": _nullable({"type": "string"}),
+        "guided_choice": _nullable({"type": "array", "items": {"type": "string"}}),
+        "guided_grammar": _nullable({"type": "string"}),
+        "json_schema": _nullable({"type": "object", "description": "llama.cpp's: the output's JSON schema"}),
         "structured_outputs": _nullable({"type": "object", "description": "vLLM's: one of json, regex, choice, "
                                          "grammar (xgrammar EBNF), json_object", "properties": {
             "json": {"oneOf": [{"type": "object"}, {"type": "string"}]}, "regex": {"type": "string"},
@@ -227,7 +232,10 @@ _SCHEMAS = {
     "Completion": _response("text_completion", {"text": {"type": "string"}}),
     "ChatCompletion": _response("chat.completion", {"message": {
         "type": "object", "required": ["role", "content"],
-        "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}}),
+        "properties": {"role": {"type": "string"}, "content": _nullable({"type": "string"}),
+                       "tool_calls": {"type": "array", "items": {"type": "object", "required": ["id", "function"]}}}},
+        "logprobs": _nullable({"type": "object"}), "stop_reason": _nullable({"oneOf": [{"type": "string"},
+                                                                                        {"type": "integer"}]})}),
     "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
         "object": {"type": "string", "enum": ["list"]},
         "data": {"type": "array", "items": {"type": "object", "required": ["id", "object"],
