@@ -30,7 +30,8 @@ def raw(obj: dict, field: str | None = None, value: str | None = None) -> bytes:
 def corpus() -> list[tuple[str, str, bytes, str]]:
     """(method, path, body, content type) of every hostile request."""
     comp = {"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    # both limits: a null for one leaves the other (chat's default is the rest of the context)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "max_completion_tokens": 3}
     out = []
     for field in NUMERIC_FIELDS + ["max_completion_tokens"]:
         for value in NUMERIC_VALUES:
