@@ -16,6 +16,7 @@ from services.gateway.openai_schema import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_PENALTY,
+    MAX_PROMPTS,
     MAX_REPETITION_PENALTY,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -122,7 +123,10 @@ def _sampling(model_names: list[str]) -> dict:
 
 
 def _completion_request(model_names: list[str]) -> dict:
-    prompt = {"oneOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]}
+    one = [{"type": "string", "minLength": 1}, _TOKEN_IDS]
+    batch = {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": {"oneOf": one},
+             "description": "a batch: choice index = prompt * n + sample"}
+    prompt = {"oneOf": [*one, batch]}
     return {"type": "object", "required": ["prompt"],
             "properties": {"prompt": prompt, **_sampling(model_names),
                            "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
