@@ -150,8 +150,6 @@ class StageWatchdog:
                 n = self._on_scheduler_restarted(beat.engine)
                 log.warning("scheduler restarted (%s): sending the %d requests in flight again", beat.replica, n)
             self._serving_again(e)
-            if not e.serving:
-                self._route_around(beat.engine, e, beat.state)
 
     def check(self) -> None:
         now = self._clock()
