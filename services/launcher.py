@@ -254,6 +254,8 @@ class Supervisor:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.data_parallel_size < 1:
+        raise SystemExit("--data-parallel-size must be at least 1")
     # refuse now, not in every stage: the addresses given are the only tcp:// ones
     load_keys(getattr(args, "curve_key_file", None), [getattr(args, name) for name in Addresses.__dataclass_fields__])
     resolve_model(args.model)  # convert a GGUF once, before the stages race to load it
