@@ -4,8 +4,9 @@
 one request per system prompt, then the other 60 at once, to two engines with prefix-aware
 routing and to one engine: the two engines' prefix-cache hit rate is at least the single
 engine's, neither gets more than 70% of the requests, and every output equals the single
-engine's. Then one engine's scheduler and executor are killed (-9) under load: every
-request completes, with the single engine's output.
+engine's. Then one engine's scheduler is frozen (SIGSTOP) under load, and later its
+scheduler and executor are killed (-9) under load: every request completes, with the
+single engine's output.
 """
 
 from __future__ import annotations
@@ -100,14 +101,40 @@ def test_prefix_routing_keeps_the_hit_rate_spreads_the_load_and_changes_no_outpu
     assert 'pagedserve_engine_prefix_cache_hits_total{engine="engine-1"}' in text
 
 
+def engine_pids(server, engine: str, stages=("scheduler", "executor")) -> list[int]:
+    found = json.loads(get(server.url + "/health")[1])["stages"]
+    pids = [r["pid"] for stage in stages for r in found[stage] if r.get("engine") == engine and r["ready"]]
+    assert len(pids) == len(stages), found
+    return pids
+
+
+def test_a_hung_engine_is_routed_around(servers):
+    single, dp = servers
+    load = bodies(12)
+    want = asyncio.run(run_load(single.url, load, []))
+    wait_engines_serving(dp, 2)
+    frozen = engine_pids(dp, "engine-1", ("scheduler",))
+    chunks = [0]
+
+    def freeze_midway() -> None:
+        chunks[0] += 1
+        if chunks[0] == 60:
+            os.kill(frozen[0], signal.SIGSTOP)
+
+    try:
+        streamed = asyncio.run(run_load(dp.url, [], load, on_chunk=freeze_midway))
+    finally:
+        os.kill(frozen[0], signal.SIGCONT)
+    assert [(s, ids) for s, ids, *_ in streamed] == [(s, ids) for s, ids, _text in want], dumps(streamed)
+    assert "engine-1 is not serving" in dp.log()
+
+
 def test_an_engine_killed_under_load_loses_no_request(servers):
     single, dp = servers
     load = bodies(16)
     want = asyncio.run(run_load(single.url, load, []))
-    stages = json.loads(get(dp.url + "/health")[1])["stages"]
-    victims = [r["pid"] for stage in ("scheduler", "executor") for r in stages[stage]
-               if r.get("engine") == "engine-1" and r["ready"]]
-    assert len(victims) == 2, stages
+    wait_engines_serving(dp, 2)
+    victims = engine_pids(dp, "engine-1")
     chunks = [0]
 
     def kill_midway() -> None:
