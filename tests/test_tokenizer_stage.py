@@ -145,3 +145,35 @@ def test_token_ids_outside_the_vocabulary_from_the_scheduler_fail_only_their_req
     assert isinstance(text, TextDelta) and text.request_id == "good" and text.text == " world"
     assert stage.scheduler == [AbortRequest("bad")]  # its KV blocks are freed
     assert "bad" not in stage.active and "good" in stage.active
+
+
+def test_tokenize_and_detokenize_are_answered_at_once(stage, tok):
+    from shared.messages import DetokenizeRequest, TokenizeRequest, TokenizeResult
+
+    stage.handle_gateway(TokenizeRequest("t1", prompt="Hello world", return_token_strs=True))
+    stage.handle_gateway(DetokenizeRequest("t2", tok.encode("Hello world")))
+    stage.handle_gateway(DetokenizeRequest("t3", [10**9]))
+    first, second, third = stage.gateway
+    assert first == TokenizeResult("t1", tok.encode("Hello world"), 64,
+                                   token_strs=tok.convert_ids_to_tokens(tok.encode("Hello world")))
+    assert second.text == "Hello world" and isinstance(third, RequestError) and third.status == 400
+    assert stage.scheduler == [] and not stage.active  # nothing kept, nothing sent on
+
+
+def test_echo_prompt_logprobs_and_stop_reason_on_the_first_delta(stage, tok):
+    from shared.messages import TokenLogprob
+
+    ids = tok.encode("Hello world")
+    params = SamplingParams(max_tokens=8, echo=True, prompt_logprobs=0, logprobs=0, stop_token_ids=[99])
+    generate(stage, prompt_token_ids=ids, params=params)
+    scored = [TokenLogprob(t, -1.0, 3) for t in ids[1:]]
+    stage.handle_scheduler(TokenDelta("r1", [5], len(ids), logprobs=[TokenLogprob(5, -0.5, 1)],
+                                      prompt_logprobs=scored, num_cached_tokens=0))
+    stage.handle_scheduler(TokenDelta("r1", [99], len(ids), "stop", logprobs=[TokenLogprob(99, -2.0, 7)],
+                                      stop_token_id=99))
+    first, last = stage.gateway
+    assert first.prompt_text == tok.decode(ids) and first.prompt_token_ids == ids
+    assert [e.token_id for e in first.prompt_logprobs] == ids and first.prompt_logprobs[0].rank == 0
+    assert first.prompt_logprobs[1].token == tok.convert_ids_to_tokens(ids[1]).replace("Ġ", " ")
+    assert first.logprobs[0].token == tok.decode([5]) and first.logprobs[0].bytes == list(tok.decode([5]).encode())
+    assert last.prompt_text is None and last.finish_reason == "stop" and last.stop_reason == 99
