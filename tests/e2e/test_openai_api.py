@@ -432,3 +432,13 @@ def test_bad_words_are_never_generated(client, hf_model, tiny_model_dir):
     want = _hf_generate(hf_model, PROMPT, 8, bad_words_ids=banned)
     got = _served(client, ignore_eos=True, max_tokens=8, bad_words=[word])
     assert got == want != plain
+
+
+def test_echo_with_n_2_and_a_batch_echoes_every_choice(client):
+    out = client.completions.create(model=MODEL, prompt=["Hello there", [17, 4021]], n=2, max_tokens=2, echo=True,
+                                    logprobs=0, temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for c in out.choices:
+        lps = c.logprobs
+        assert lps.token_logprobs[0] is None and len(lps.tokens) == 2 + 2  # both prompts are 2 tokens
+        assert c.text.startswith("Hello there" if c.index < 2 else "".join(lps.tokens[:2]))
