@@ -47,7 +47,14 @@ def test_a_stage_that_keeps_dying_is_restarted_forever_with_a_capped_backoff(tmp
         assert delays[-1] == CAP_S
         gaps = [b - a for a, b in zip(crasher.starts, crasher.starts[1:], strict=False)]
         assert all(gap >= delay for gap, delay in zip(gaps, crasher.delays, strict=False))  # each restart waited its delay
-        state = json.loads(state_path.read_text())["stages"]
+        def written() -> dict | None:  # the file is rewritten as stages change: it may lag a restart
+            try:
+                return json.loads(state_path.read_text())["stages"]
+            except (OSError, ValueError, KeyError):
+                return None
+
+        wait_for(lambda: (w := written()) is not None and w["crasher"]["restarts"] >= 9, "the state file's restarts")
+        state = written()
         assert state["crasher"]["restarts"] >= 9 and state["steady"]["restarts"] == 0
         assert state["steady"]["pid"] == steady_pid
     finally:

@@ -2,8 +2,9 @@
 
 64 greedy requests sharing 4 system prompts (3 full blocks each), sent as a first wave of
 one request per system prompt, then the other 60 at once, to two engines with prefix-aware
-routing and to one engine: the two engines' prefix-cache hit rate is at least the single
-engine's, neither gets more than 70% of the requests, and every output equals the single
+routing and to one engine: the two engines' prefix-cache hit rate is the single engine's,
+less at most one cold prefill of each system prompt on the second engine (what a request
+sent away by the load cap costs), neither gets more than 70% of the requests, and every output equals the single
 engine's. Then one engine's scheduler is frozen (SIGSTOP) under load, and later its
 scheduler and executor are killed (-9) under load: every request completes, with the
 single engine's output.
@@ -90,7 +91,12 @@ def test_prefix_routing_keeps_the_hit_rate_spreads_the_load_and_changes_no_outpu
     assert got == want, dumps(got)
     single_rate, dp_rate = hit_rate(before[0], single.metrics()), hit_rate(before[1], dp.metrics())
     assert single_rate > 0.5  # the waves make 60 of 64 requests find their system prompt cached
-    assert dp_rate >= single_rate, (dp_rate, single_rate)
+    # Prefix routing keeps the single engine's hit rate, except that a request the load cap
+    # sends away makes its system prompt cold once on the other engine: at most one cold
+    # prefill per prompt there (4 prompts x 3 blocks), against one engine's counts.
+    queries = dp.metrics()["pagedserve_prefix_cache_queries_total"] - before[1]["pagedserve_prefix_cache_queries_total"]
+    spill_allowance = 4 * (SYSTEM_TOKENS // 16) / queries
+    assert dp_rate >= single_rate - spill_allowance, (dp_rate, single_rate, spill_allowance)
     counts = routed(dp)
     assert len(counts) == 2 and sum(counts.values()) == 64, counts
     assert max(counts.values()) <= 0.7 * 64, counts
