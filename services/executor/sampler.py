@@ -58,6 +58,13 @@ class Sampler:
         if rows:
             chosen = [params[i] for i in rows]
             probs = self._probabilities(logits[rows], chosen)
+            # a row left with no valid distribution (every token masked by its own processors, or
+            # an infinite bias) takes the greedy pick, as a greedy row would: one request's
+            # settings must never fail the step for the batch
+            broken = ~(torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))
+            if bool(broken.any()):
+                fallback = torch.nn.functional.one_hot(logits[rows][broken].argmax(dim=-1), probs.shape[-1])
+                probs[broken] = fallback.to(probs.dtype)
             for i, token in zip(rows, self._draw(probs, chosen, [output_indices[i] for i in rows]), strict=True):
                 out[i] = token
         return out
