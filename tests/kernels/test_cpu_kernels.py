@@ -91,20 +91,26 @@ def test_norms_and_silu_match_reference(dtype, rows):
     torch.testing.assert_close(cpu.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
-def test_rope_and_cache_matches_reference(dtype):
-    heads, kv_heads, d, bs = 9, 3, 64, 16
-    gen = torch.Generator().manual_seed(0)
-    n = 21
+def rope_both(dtype, kv_dtype, seed):
+    """RoPE + cache write of the same 21 tokens (9 heads, 3 KV heads) by the reference and the
+    kernel: (reference q, kernel q, [ref k, ref v, kernel k, kernel v] caches)."""
+    heads, kv_heads, d, bs, n = 9, 3, 64, 16, 21
+    gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
     positions = torch.randint(0, 500, (n,), generator=gen)
     slots = torch.randperm(10 * bs, generator=gen)[:n]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     freqs = torch.arange(512).float()[:, None] * inv_freq
     cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype).float()
-    caches = [torch.zeros(10, bs, kv_heads, d, dtype=dtype) for _ in range(4)]
+    caches = [torch.zeros(10, bs, kv_heads, d, dtype=kv_dtype) for _ in range(4)]
     want_q = reference.rope_and_cache(qkv.clone(), positions, cos_sin, caches[0], caches[1], slots, heads, kv_heads)
     got_q = cpu.rope_and_cache(qkv.clone(), positions, cos_sin, caches[2], caches[3], slots, heads, kv_heads)
+    return want_q, got_q, caches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+def test_rope_and_cache_matches_reference(dtype):
+    want_q, got_q, caches = rope_both(dtype, dtype, seed=0)
     atol, rtol = (1e-6, 1e-6) if dtype == torch.float32 else (0, 0)
     torch.testing.assert_close(got_q, want_q, atol=atol, rtol=rtol)
     torch.testing.assert_close(caches[2], caches[0], atol=atol, rtol=rtol)
@@ -164,17 +170,7 @@ def test_paged_attention_reads_a_cache_in_another_dtype(dtypes):
                          ids=lambda d: f"{param_id(d[0])}-{param_id(d[1])}")
 def test_rope_and_cache_writes_a_cache_in_another_dtype(dtypes):
     dtype, kv_dtype = dtypes
-    heads, kv_heads, d, bs, n = 9, 3, 64, 16, 21
-    gen = torch.Generator().manual_seed(1)
-    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
-    positions = torch.randint(0, 500, (n,), generator=gen)
-    slots = torch.randperm(10 * bs, generator=gen)[:n]
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    freqs = torch.arange(512).float()[:, None] * inv_freq
-    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype).float()
-    caches = [torch.zeros(10, bs, kv_heads, d, dtype=kv_dtype) for _ in range(4)]
-    want_q = reference.rope_and_cache(qkv.clone(), positions, cos_sin, caches[0], caches[1], slots, heads, kv_heads)
-    got_q = cpu.rope_and_cache(qkv.clone(), positions, cos_sin, caches[2], caches[3], slots, heads, kv_heads)
+    want_q, got_q, caches = rope_both(dtype, kv_dtype, seed=1)
     atol, rtol = (1e-6, 1e-6) if dtype == torch.float32 else (0, 0)
     torch.testing.assert_close(got_q, want_q, atol=atol, rtol=rtol)
     # k is rotated in the compute dtype, then rounded once to the cache's: a float32 rotation a
