@@ -386,6 +386,21 @@ class StepFailed(Struct, tag=True):
 ExecutorToScheduler = ExecutorReady | StepResult | StepFailed
 
 
+# --- executor rank 0 -> the other ranks of its tensor-parallel group ------------------
+# (broadcast over torch.distributed as msgspec bytes, services/executor/tp_group.py)
+
+
+class RankKeepalive(Struct, tag=True):
+    """Rank 0 is idle and alive: sent between steps so a dead peer is noticed."""
+
+
+class RankStop(Struct, tag=True):
+    """Rank 0 is stopping: the other ranks stop too."""
+
+
+RankZeroToRanks = ExecuteStep | RankKeepalive | RankStop
+
+
 # --- every stage -> gateway (status) --------------------------------------------------
 
 

@@ -2,7 +2,9 @@
 
 The model is built on the meta device, so no memory is spent on random init, then
 materialised directly in the target dtype and device and filled from the
-safetensors files, tensor by tensor.
+safetensors files, tensor by tensor. Under tensor parallelism (`tp`) each rank builds
+only its shard and copies in only its part of each checkpoint tensor; the quantized
+copies (`--quantization`) are then made of that shard, calibrated by each rank alone.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from transformers import AutoConfig
 from kernels.attention import AttentionBackend, get_backend
 from services.executor.models.llama import LlamaForCausalLM
 from services.executor.quantization import attach_int4, attach_int8_head, int4_copies, int8_head_copy
+from services.executor.tp_group import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ def load_model(
     backend: AttentionBackend | None = None,
     quantization: str = "none",
     int4_max_rows: int | None = None,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
     """The model in `dtype` on `device`; `quantization` (see services.executor.quantization) may add
     int4 copies of the decoder's weights for small steps."""
@@ -58,7 +62,7 @@ def load_model(
     backend = backend or get_backend("auto", str(device))
     quantize = quantization != "none"
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, device=device)
+        model = LlamaForCausalLM(config, backend, device=device, tp=tp)
     # int4 copies are made from the checkpoint's own values, before a cast can move them off their grid
     model = model.to(torch.float32 if quantize else dtype).to_empty(device=device)
     with torch.no_grad():

@@ -11,6 +11,13 @@ output sample under their grammar's token mask (`grammar`), filled during the fo
 On CUDA the pool, unless sized explicitly, takes what a profiling pass of the
 largest step leaves of `gpu_memory_utilization` of the GPU (see `gpu_memory`), and
 decode steps replay CUDA graphs when the attention backend allows it.
+
+Under tensor parallelism (`tp`, see `tp_group`) every rank holds a runner over its
+shard of the model and its KV heads' share of the pool. The pool's block count is the
+least any rank's budget allows (`TPGroup.min_int`), as is the swap space's, so one
+block table addresses every rank's pool alike. Every rank runs each step's block moves
+and forward pass; only rank 0 samples (the others' `run` returns an empty result).
+CUDA graphs are off under tensor parallelism (no collectives inside a captured graph).
 """
 
 from __future__ import annotations
@@ -33,9 +40,10 @@ from services.executor.kv_cache import DEFAULT_KV_CACHE_MEMORY, KVCache, bytes_p
 from services.executor.loader import load_model
 from services.executor.logits_processors import History
 from services.executor.logprobs import token_logprobs
-from services.executor.models.llama import head_dim_of, num_kv_heads_of
+from services.executor.models.llama import head_dim_of
 from services.executor.sampler import Sampler
 from services.executor.swap_space import SwapSpace
+from services.executor.tp_group import GroupBroken, TPGroup
 from shared.messages import ExecuteStep, StepResult
 
 log = logging.getLogger(__name__)
@@ -70,7 +78,9 @@ class ModelRunner:
         quantization: str = "auto",
         int4_max_rows: int | None = None,
         kv_cache_dtype: str = "auto",
+        tp: TPGroup | None = None,
     ):
+        self.tp = tp or TPGroup.single()
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if self.device.index is not None:
@@ -79,7 +89,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device, _checkpoint_dtype(model_dir))
         self.block_size = block_size
         self.backend = get_backend(attention_backend, device)
-        self.model = load_model(model_dir, self.dtype, self.device, self.backend, quantization, int4_max_rows)
+        self.model = load_model(model_dir, self.dtype, self.device, self.backend, quantization, int4_max_rows,
+                                self.tp)
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.backend.name)
         config = self.model.config
         self.max_model_len: int = config.max_position_embeddings
@@ -89,28 +100,37 @@ class ModelRunner:
         self.grammar: GrammarMasks | None = None  # made on the first constrained request
         self._grammar_threads: ThreadPoolExecutor | None = None
         self.graphs: DecodeGraphs | None = None
-        shape = (config.num_hidden_layers, block_size, num_kv_heads_of(config), head_dim_of(config))
+        shape = (config.num_hidden_layers, block_size, self.model.num_local_kv_heads, head_dim_of(config))
         if num_kv_blocks is None:
             if kv_cache_memory is None and self.device.type == "cuda":
                 kv_cache_memory = self._profile_kv_cache_memory(
                     shape, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
             memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
             num_kv_blocks = KVCache.blocks_for_memory(memory, *shape, self.kv_dtype)
+        num_kv_blocks = self.tp.min_int(num_kv_blocks)  # every rank's pool has the same blocks
         self.kv_cache = KVCache(shape[0], num_kv_blocks, *shape[1:], self.kv_dtype, self.device)
         self.num_kv_blocks: int = num_kv_blocks
-        self.swap = SwapSpace(self.kv_cache, swap_space)
+        per_block = bytes_per_block(*shape, self.kv_dtype)
+        self.swap = SwapSpace(self.kv_cache, self.tp.min_int(swap_space // per_block) * per_block)
         self.last_top_logprobs: list[list[tuple[int, float]]] = []
-        if cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
+        if cuda_graphs and self.device.type == "cuda" and self.tp.size > 1:
+            log.info("no CUDA graphs under tensor parallelism (the all-reduces are not captured)")
+        elif cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
             self.graphs = DecodeGraphs(self.model, self.kv_cache.k_caches, self.kv_cache.v_caches, block_size,
                                        self.max_model_len, max_num_seqs, self.device)
-        log.info("%s loaded (%s, %s, %s attention); KV pool %d blocks of %d tokens in %s, %.1f MiB",
+        log.info("%s loaded (%s, %s, %s attention); KV pool %d blocks of %d tokens in %s, %.1f MiB%s",
                  model_dir, self.dtype, self.device, self.backend.name, num_kv_blocks, block_size,
-                 self.kv_dtype, self.kv_cache.nbytes / 2**20)
+                 self.kv_dtype, self.kv_cache.nbytes / 2**20,
+                 f" (tensor-parallel rank {self.tp.rank} of {self.tp.size}: query heads "
+                 f"{self.model.shard.q_heads}, KV heads {self.model.shard.kv_heads})" if self.tp.size > 1 else "")
 
-    def compute_logits(self, step: ExecuteStep) -> tuple[Tensor, BatchMetadata]:
-        """Run the step's forward pass; float32 logits of its sampled sequences, in order.
+    def compute_logits(self, step: ExecuteStep) -> tuple[Tensor | None, BatchMetadata]:
+        """Run the step's forward pass; float32 logits of its sampled sequences, in order
+        (None on tensor-parallel ranks other than 0).
 
-        A decode step replayed from a CUDA graph keeps its BatchMetadata on the CPU."""
+        A decode step replayed from a CUDA graph keeps its BatchMetadata on the CPU.
+        Under tensor parallelism a forward pass that raises leaves the ranks out of step:
+        `GroupBroken`, whatever the cause (InvalidStep, raised before, is the same on every rank)."""
         graph = self.graphs is not None and self.graphs.fits(step) and not any(s.score_targets for s in step.seqs)
         meta = BatchMetadata.from_step(step, self.block_size, self.num_kv_blocks, "cpu" if graph else self.device)
         self._move_blocks(step)
@@ -118,8 +138,15 @@ class ModelRunner:
         with torch.inference_mode():
             if graph:
                 logits = self.graphs.replay(meta)
-            else:
+            elif self.tp.size == 1:
                 logits = self.model(meta, self.kv_cache.k_caches, self.kv_cache.v_caches)
+            else:
+                try:
+                    logits = self.model(meta, self.kv_cache.k_caches, self.kv_cache.v_caches)
+                except GroupBroken:
+                    raise
+                except Exception as exc:
+                    raise GroupBroken(f"{type(exc).__name__}: {exc}", peer_lost=False) from exc
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # kernels run asynchronously: time them to the end
         self.last_forward_s = time.perf_counter() - start
@@ -138,12 +165,16 @@ class ModelRunner:
             self._move_blocks(step)
             return StepResult(step.step_id, [], 0.0)
         seqs = [s for s in step.seqs if s.sample]
+        if self.tp.rank > 0:
+            seqs = []  # no sampling here: no grammar masks to fill
         # the grammar masks of constrained sequences are filled while the forward pass runs
         masks = (self._grammar_pool().submit(self._grammar().masks, seqs)
                  if any(s.sampling.structured is not None for s in seqs) else None)
         logits, meta = self.compute_logits(step)
-        bitmask = masks.result() if masks is not None else None
         result = StepResult(step.step_id, [-1] * len(step.seqs), self.last_forward_s)
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
+            return result
+        bitmask = masks.result() if masks is not None else None
         num_sampled = len(meta.sampled_seqs)
         if num_sampled:
             params = [s.sampling for s in seqs]

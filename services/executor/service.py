@@ -5,6 +5,17 @@ It connects to the scheduler's two bound sockets, announces its KV pool with
 `StepFailed` and the executor keeps serving. A `SchedulerHello` (a scheduler that
 restarted and has no pool) is answered with the same `ExecutorReady` again.
 SIGTERM/SIGINT end it after the step in flight.
+
+With `--tensor-parallel-size N` the stage is N processes, one per `--tp-rank`, that
+meet at `--tp-init-address` (see `tp_group`). Rank 0 is the executor above: only it
+talks to the scheduler (and beats), and it hands every step to the other ranks before
+running its share; the others (`follow`) run each step they are handed and answer
+nobody. A step whose forward pass fails leaves the ranks out of step, so under tensor
+parallelism it ends the rank (after rank 0 answers `StepFailed` when the failure was
+its own computation; when a peer died it answers nothing, so the scheduler recomputes
+the step's requests once the restarted group announces itself). A rank that dies
+takes the group down with it: its peers' next collective fails, and the launcher
+restarts the whole group.
 """
 
 from __future__ import annotations
@@ -14,12 +25,14 @@ import logging
 import os
 import signal
 import threading
+import time
 
 import torch
 import zmq
 
 from services.executor.kv_cache import parse_size
 from services.executor.model_runner import ModelRunner
+from services.executor.tp_group import KEEPALIVE_S, GroupBroken, TPGroup
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
 from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
@@ -27,6 +40,8 @@ from shared.messages import (
     ExecuteStep,
     ExecutorReady,
     ExecutorToScheduler,
+    RankKeepalive,
+    RankStop,
     SchedulerHello,
     SchedulerToExecutor,
     StepFailed,
@@ -74,8 +89,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="sequences of the largest step (profiling pass, largest CUDA graph)")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="run decode steps eagerly instead of replaying CUDA graphs")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks this executor's model is split over (one process each, started with --tp-rank)")
+    parser.add_argument("--tp-rank", type=int, default=0, help="this process's rank in the tensor-parallel group")
+    parser.add_argument("--tp-init-address", default=os.environ.get("PAGEDSERVE_TP_INIT_ADDRESS"),
+                        help="tcp://host:port where the ranks meet (rank 0 listens there)")
     add_address_args(parser, required=False)
     add_log_args(parser)
+
+
+def rank_device(device: str, rank: int, size: int) -> str:
+    """Rank r of a CUDA group takes the r-th GPU from the one named (cuda -> cuda:r, cuda:2 -> cuda:2+r)."""
+    if size == 1 or not device.startswith("cuda"):
+        return device
+    first = int(device.split(":")[1]) if ":" in device else 0
+    return f"cuda:{first + rank}"
 
 
 class Executor:
@@ -84,12 +112,23 @@ class Executor:
         self.executor_id = args.executor_id or f"executor-{os.getpid()}"
         self.state = "loading model"
         self.stop = threading.Event()
+        self.broken: GroupBroken | None = None
 
     def run(self) -> int:
         args = self.args
-        addr = Addresses.from_args(args, required=("executor_in", "executor_out"))
+        size, rank = args.tensor_parallel_size, args.tp_rank
+        if size < 1 or not 0 <= rank < size:
+            raise SystemExit(f"--tp-rank {rank} outside --tensor-parallel-size {size}")
+        if size > 1 and not args.tp_init_address:
+            raise SystemExit("--tensor-parallel-size > 1 needs --tp-init-address (or PAGEDSERVE_TP_INIT_ADDRESS)")
         if args.threads:
             torch.set_num_threads(args.threads)
+        device = rank_device(args.device, rank, size)
+        group = (TPGroup.join(rank, size, args.tp_init_address, torch.device(device)) if size > 1
+                 else TPGroup.single())
+        if rank > 0:
+            return self.follow(self.load(device, group), group)
+        addr = Addresses.from_args(args, required=("executor_in", "executor_out"))
         ctx = configure(zmq.Context(), stage_keys(args, addr))
         heartbeat = None
         if addr.status:
@@ -98,17 +137,9 @@ class Executor:
             heartbeat.start()
         steps = results = None
         try:
-            runner = ModelRunner(
-                resolve_model(args.model), dtype=args.dtype, block_size=args.block_size,
-                num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-                device=args.device, attention_backend=args.attention_backend,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                cuda_graphs=args.cuda_graphs, swap_space=args.swap_space or 0,
-                quantization=args.quantization, int4_max_rows=args.int4_max_rows,
-                kv_cache_dtype=args.kv_cache_dtype,
-            )
+            runner = self.load(device, group)
             if self.stop.is_set():
+                group.send(RankStop())
                 return 0
             steps = PullSocket(ctx, addr.executor_in, SchedulerToExecutor, bind=False)
             results = PushSocket(ctx, addr.executor_out, ExecutorToScheduler, bind=False)
@@ -119,13 +150,25 @@ class Executor:
             results.send(ready)
             self.state = "ready"
             log.info("executor %s ready", self.executor_id)
+            idle_since = time.monotonic()
             while not self.stop.is_set():
                 step = steps.recv(timeout_ms=POLL_MS)
                 if isinstance(step, SchedulerHello):
                     results.send(ready)
                 elif step is not None:
+                    group.send(step)
                     results.send(self.execute(runner, step))
+                    if self.broken is not None:
+                        raise self.broken
+                    idle_since = time.monotonic()
+                elif group.size > 1 and time.monotonic() - idle_since >= KEEPALIVE_S:
+                    group.send(RankKeepalive())
+                    idle_since = time.monotonic()
+            group.send(RankStop())
             return 0
+        except GroupBroken as exc:
+            log.error("%s: the tensor-parallel group is broken; exiting so that it restarts", exc)
+            return 1
         finally:
             for sock in (steps, results):
                 if sock is not None:
@@ -134,12 +177,56 @@ class Executor:
                 heartbeat.stop()
                 heartbeat.join(timeout=1)
 
+    def load(self, device: str, group: TPGroup) -> ModelRunner:
+        args = self.args
+        return ModelRunner(
+            resolve_model(args.model), dtype=args.dtype, block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+            device=device, attention_backend=args.attention_backend,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            cuda_graphs=args.cuda_graphs, swap_space=args.swap_space or 0,
+            quantization=args.quantization, int4_max_rows=args.int4_max_rows,
+            kv_cache_dtype=args.kv_cache_dtype, tp=group,
+        )
+
     def execute(self, runner: ModelRunner, step: ExecuteStep) -> StepResult | StepFailed:
+        """The step's result, or StepFailed. A peer that died mid-step raises GroupBroken (no
+        answer: the restarted group's ExecutorReady makes the scheduler recompute); a forward
+        pass of this rank's own that failed under tensor parallelism is answered, and
+        `self.broken` then ends the rank."""
         try:
             return runner.run(step)
+        except GroupBroken as exc:
+            if exc.peer_lost:
+                raise
+            log.exception("step %d failed", step.step_id)
+            self.broken = exc
+            return StepFailed(step_id=step.step_id, message=str(exc))
         except Exception as exc:
             log.exception("step %d failed", step.step_id)
             return StepFailed(step_id=step.step_id, message=f"{type(exc).__name__}: {exc}")
+
+    def follow(self, runner: ModelRunner, group: TPGroup) -> int:
+        """Ranks > 0: run every step rank 0 hands over, until it stops (0) or the group breaks (1)."""
+        self.state = "ready"
+        log.info("tensor-parallel rank %d of %d ready", group.rank, group.size)
+        try:
+            while not self.stop.is_set():
+                msg = group.recv()
+                if isinstance(msg, RankStop):
+                    return 0
+                if isinstance(msg, ExecuteStep):
+                    try:
+                        runner.run(msg)
+                    except GroupBroken:
+                        raise
+                    except Exception:  # outside the forward pass (InvalidStep, a bad block move): rank 0 fails alike
+                        log.exception("step %d failed (rank 0 reports it)", msg.step_id)
+        except GroupBroken as exc:
+            log.error("%s: exiting so that the group restarts", exc)
+            return 1
+        return 0
 
 
 def run(args: argparse.Namespace) -> int:

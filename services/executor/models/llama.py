@@ -8,6 +8,15 @@ CPU wants); the elementwise work between matmuls runs as the backend's fused ops
 C++ CPU backend, plain torch in the reference); logits are computed only for the rows
 that get sampled. Every per-step input comes from a `BatchMetadata`; attention and
 the fused ops go through an `AttentionBackend`.
+
+Tensor parallelism (`TPGroup` of size > 1; `models.sharding` says who holds what):
+the fused QKV and gate/up projections are column-parallel (each rank holds its heads'
+rows, its share of the intermediate columns), o_proj and down_proj row-parallel, with
+one all-reduce after each (their bias, if any, is kept by rank 0 only, so it is added
+once). The embedding and the head are vocab-parallel: an embedding row is looked up
+by the rank that holds it (zeros elsewhere) and summed over the ranks; each rank's
+head shard gives its logits columns, gathered on rank 0, whose `forward` alone returns
+logits. RMSNorm weights and RoPE are replicated.
 """
 
 from __future__ import annotations
@@ -21,7 +30,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.attention import AttentionBackend
 from services.executor.batch import BatchMetadata
+from services.executor.models.sharding import ModelShard
 from services.executor.quantization import Int4Weight, Int8Weight
+from services.executor.tp_group import TPGroup
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ACTIVATIONS = ("silu",)
@@ -98,15 +109,30 @@ class MergedLinear(Linear):
             offset += size
 
 
+class VocabEmbedding(nn.Embedding):
+    """The embedding, or this rank's rows of it (`shard.vocab`, padded to `shard.vocab_rows`)."""
+
+    def __init__(self, shard: ModelShard, hidden_size: int, tp: TPGroup):
+        super().__init__(shard.vocab_rows, hidden_size)
+        self.shard, self.tp = shard, tp
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.shard.vocab.start
+        outside = (local < 0) | (local >= len(self.shard.vocab))
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)
+        return self.tp.all_reduce(x)
+
+
 class Attention(nn.Module):
     def __init__(self, config, backend: AttentionBackend, qkv_bias: bool, o_bias: bool,
-                 sliding_window: int | None):
+                 sliding_window: int | None, shard: ModelShard, tp: TPGroup):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = num_kv_heads_of(config)
+        self.num_heads = len(shard.q_heads)  # this rank's
+        self.num_kv_heads = len(shard.kv_heads)
         self.head_dim = head_dim_of(config)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{self.num_heads} heads do not split into {self.num_kv_heads} KV heads")
+        self.tp = tp
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
@@ -122,25 +148,26 @@ class Attention(nn.Module):
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
             self.scale, self.sliding_window,
         )
-        return self.o_proj(out.view(n, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.view(n, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config, backend: AttentionBackend):
+    def __init__(self, config, backend: AttentionBackend, shard: ModelShard, tp: TPGroup):
         super().__init__()
         if config.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"activation {config.hidden_act!r} is not one of {SUPPORTED_ACTIVATIONS}")
-        size, bias = config.intermediate_size, getattr(config, "mlp_bias", False)
+        size, bias = len(shard.intermediate), getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias)
         self.down_proj = Linear(size, config.hidden_size, bias=bias)
         self.backend = backend
+        self.tp = tp
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, backend: AttentionBackend):
+    def __init__(self, config, layer_idx: int, backend: AttentionBackend, shard: ModelShard, tp: TPGroup):
         super().__init__()
         qwen2 = config.model_type == "qwen2"
         attention_bias = getattr(config, "attention_bias", False)
@@ -149,8 +176,8 @@ class DecoderLayer(nn.Module):
         if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
             window = None
         self.self_attn = Attention(config, backend, qkv_bias=attention_bias or qwen2,
-                                   o_bias=attention_bias and not qwen2, sliding_window=window)
-        self.mlp = MLP(config, backend)
+                                   o_bias=attention_bias and not qwen2, sliding_window=window, shard=shard, tp=tp)
+        self.mlp = MLP(config, backend, shard, tp)
         self.backend = backend
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -170,10 +197,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, backend: AttentionBackend):
+    def __init__(self, config, backend: AttentionBackend, shard: ModelShard, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabEmbedding(shard, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, shard, tp)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -184,14 +212,18 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, config, backend: AttentionBackend, device: torch.device | str = "cpu"):
+    def __init__(self, config, backend: AttentionBackend, device: torch.device | str = "cpu",
+                 tp: TPGroup | None = None):
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {config.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
         self.config = config
-        self.model = LlamaModel(config, backend)
+        self.tp = tp or TPGroup.single()
+        self.shard = ModelShard.of(config.num_attention_heads, num_kv_heads_of(config), config.intermediate_size,
+                                   config.vocab_size, self.tp.rank, self.tp.size)
+        self.model = LlamaModel(config, backend, self.shard, self.tp)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if self.tied else nn.Linear(config.hidden_size, self.shard.vocab_rows, bias=False)
         self.rotary = RotaryEmbedding(config, device)
         self.backend = backend
         self._cos_sin: Tensor | None = None
@@ -202,8 +234,14 @@ class LlamaForCausalLM(nn.Module):
             self._cos_sin = self.rotary.table(self.config.max_position_embeddings, dtype)
         return self._cos_sin
 
-    def forward(self, meta: BatchMetadata, k_caches: list[Tensor], v_caches: list[Tensor]) -> Tensor:
-        """Float32 logits [num_sampled, vocab] for meta.sample_indices, in that order."""
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank's pool holds."""
+        return len(self.shard.kv_heads)
+
+    def forward(self, meta: BatchMetadata, k_caches: list[Tensor], v_caches: list[Tensor]) -> Tensor | None:
+        """Float32 logits [num_sampled, vocab] for meta.sample_indices, in that order
+        (on rank 0; None on the other ranks of a tensor-parallel group)."""
         x = self.model.embed_tokens(meta.input_ids)
         cos_sin = self.cos_sin(x.dtype)
         residual = None
@@ -214,12 +252,18 @@ class LlamaForCausalLM(nn.Module):
         x = self.backend.rms_norm(x[rows] + residual[rows], norm.weight, norm.eps)
         return self.logits(x)
 
-    def logits(self, x: Tensor) -> Tensor:
-        """Float32 logits of final hidden states: the head's int8 copy for few rows, if it has one."""
+    def logits(self, x: Tensor) -> Tensor | None:
+        """Float32 logits of final hidden states: the head's int8 copy for few rows, if it has one
+        (under tensor parallelism each rank's vocab columns, gathered on rank 0)."""
         q = self.head_int8
         if q is not None and x.shape[0] <= q.max_rows:
-            return q.matmul(x).float()
-        return F.linear(x, self.head_weight()).float()
+            logits = q.matmul(x).float()
+        else:
+            logits = F.linear(x, self.head_weight()).float()
+        if self.tp.size == 1:
+            return logits
+        logits = self.tp.gather(logits)
+        return None if logits is None else logits[:, : self.config.vocab_size]
 
     def head_weight(self) -> Tensor:
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
@@ -251,6 +295,8 @@ class LlamaForCausalLM(nn.Module):
             if shard is not None:
                 offset, size = self.get_submodule(name.rsplit(".", 1)[0]).shards[shard]
                 target = target.narrow(0, offset, size)
+            if self.tp.size > 1:
+                target, tensor = self._shard_of(name, shard, target, tensor)
             if target.shape != tensor.shape:
                 raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(target.shape)}")
             target.copy_(tensor)
@@ -258,3 +304,23 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise KeyError(f"checkpoint lacks {sorted(str(m) for m in missing)[:5]} ({len(missing)} in all)")
+
+    def _shard_of(self, name: str, shard: str | None, target: Tensor, tensor: Tensor) -> tuple[Tensor, Tensor]:
+        """(where in this rank's parameter, which part of the checkpoint tensor) for one weight."""
+        s, head_dim = self.shard, head_dim_of(self.config)
+        rows = {"q": s.q_heads, "k": s.kv_heads, "v": s.kv_heads}.get(shard)
+        if rows is not None:
+            return target, tensor.narrow(0, rows.start * head_dim, len(rows) * head_dim)
+        if shard in ("gate", "up"):
+            return target, tensor.narrow(0, s.intermediate.start, len(s.intermediate))
+        row_parallel = {".o_proj.": range(s.q_heads.start * head_dim, s.q_heads.stop * head_dim),
+                        ".down_proj.": s.intermediate}
+        for part, cols in row_parallel.items():
+            if part in name:
+                if name.endswith(".bias"):  # added once, after the all-reduce
+                    return target, tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
+                return target, tensor.narrow(1, cols.start, len(cols))
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            target.zero_()  # the padding rows past the vocabulary
+            return target.narrow(0, 0, len(s.vocab)), tensor.narrow(0, s.vocab.start, len(s.vocab))
+        return target, tensor

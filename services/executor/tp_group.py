@@ -1,0 +1,130 @@
+"""The executor's tensor-parallel group: N ranks of one executor joined by torch.distributed.
+
+Rank 0 is the executor the scheduler sees: it receives each step and hands it to the
+other ranks with `send`/`recv` (the msgspec-encoded `RankZeroToRanks` bytes broadcast
+as a uint8 tensor: no pickle, so not torch's broadcast_object_list). Every rank runs
+the step's forward pass on its shard of the model; the row-parallel layers' partial
+sums meet in `all_reduce` and the vocab shards' logits in `gather` on rank 0, the only
+rank that samples.
+
+The model's collectives run on the device group (NCCL on CUDA, gloo on the CPU); the
+step broadcast and the pool sizing always on a gloo group of host tensors. A collective
+that fails (a peer died: gloo's "Connection closed by peer") raises `GroupBroken`: the
+group cannot be mended, so the rank exits and its supervisor (the launcher, or compose)
+starts the whole group again. An idle rank 0 sends a `RankKeepalive` every
+KEEPALIVE_S, so a dead peer is noticed between steps too, and the waiting ranks never
+reach the group's timeout. A size-1 group (`TPGroup.single()`) has no process group and
+every collective is the identity.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from shared.messages import RankZeroToRanks
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_S = 300.0  # a collective (model loading included before the first) waits this long for its peers
+KEEPALIVE_S = 1.0
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(RankZeroToRanks)
+
+
+class GroupBroken(RuntimeError):
+    """A rank cannot go on in step with its group; `peer_lost`: a collective failed (a peer
+    died), rather than this rank's own computation."""
+
+    def __init__(self, message: str, peer_lost: bool):
+        super().__init__(message)
+        self.peer_lost = peer_lost
+
+
+@dataclass
+class TPGroup:
+    rank: int
+    size: int
+    device_group: Any = None  # the model's collectives
+    cpu_group: Any = None  # the step broadcast and pool sizing (gloo)
+
+    @classmethod
+    def single(cls) -> TPGroup:
+        return cls(0, 1)
+
+    @classmethod
+    def join(cls, rank: int, size: int, init_address: str, device: torch.device,
+             timeout_s: float = TIMEOUT_S) -> TPGroup:
+        """Rendezvous of `size` ranks at `init_address` (tcp://host:port, served by rank 0)."""
+        if not 0 <= rank < size:
+            raise ValueError(f"tensor-parallel rank {rank} outside a group of {size}")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=timeout_s)
+        log.info("rank %d of %d joining at %s (%s)", rank, size, init_address, backend)
+        dist.init_process_group(backend, init_method=init_address, rank=rank, world_size=size, timeout=timeout)
+        world = dist.group.WORLD
+        cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        log.info("rank %d of %d joined", rank, size)
+        return cls(rank, size, world, cpu_group)
+
+    def _run(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:
+            raise GroupBroken(f"tensor-parallel {what} failed on rank {self.rank}: {exc}", peer_lost=True) from exc
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """The sum of x over the ranks, in place (row-parallel layers' partial outputs)."""
+        if self.size > 1:
+            self._run("all-reduce", dist.all_reduce, x, group=self.device_group)
+        return x
+
+    def gather(self, x: Tensor) -> Tensor | None:
+        """Every rank's x concatenated along the last dimension, on rank 0 (None on the others)."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        self._run("gather", dist.gather, x, gather_list=parts, dst=0, group=self.device_group)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def min_int(self, value: int) -> int:
+        """The least of every rank's value (every rank must call it at the same point)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        self._run("min", dist.all_reduce, t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def send(self, msg: RankZeroToRanks) -> None:
+        """Rank 0: hand a message to every other rank (which wait in `recv`)."""
+        if self.size == 1:
+            return
+        payload = _encoder.encode(msg)
+        self._run("broadcast", dist.broadcast, torch.tensor([len(payload)], dtype=torch.int64), 0,
+                  group=self.cpu_group)
+        self._run("broadcast", dist.broadcast, torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0,
+                  group=self.cpu_group)
+
+    def recv(self) -> RankZeroToRanks:
+        """Ranks > 0: the next message from rank 0 (blocks; rank 0 keeps it alive when idle)."""
+        length = torch.zeros(1, dtype=torch.int64)
+        self._run("broadcast", dist.broadcast, length, 0, group=self.cpu_group)
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._run("broadcast", dist.broadcast, payload, 0, group=self.cpu_group)
+        try:
+            return _decoder.decode(payload.numpy().tobytes())
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise GroupBroken(f"rank {self.rank}: undecodable message from rank 0: {exc}", peer_lost=True) from exc
+
+    def close(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
