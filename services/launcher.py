@@ -9,6 +9,13 @@ only SIGINT/SIGTERM stop it, and the stages in order: the gateway first, which d
 (finishes the requests in flight, up to --shutdown-timeout), then the others, which the
 drain still needed. Restarts and backoffs are written to a state file the gateway shows
 on /health and /metrics (services/gateway/supervision.py).
+
+With `--tensor-parallel-size N` each engine's executor is N stages, "executor" (rank 0,
+the one the scheduler talks to) and "executor-rank1" ... (with data parallelism
+"executor-0", "executor-0-rank1", ...), which meet at a tcp:// port of 127.0.0.1 chosen
+at launch. They form a group: when one of them dies the launcher kills the others at
+once and starts them all again together (one backoff for the group), since a group
+that lost a rank cannot continue.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,6 +81,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-replicas", type=int, default=1)
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="engines (a scheduler and its executor each, with its own model copy and KV pool)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="processes each engine's executor is split over (torch.distributed: gloo on the CPU, "
+                             "NCCL on CUDA, one GPU per rank)")
     parser.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
                         help="with several engines: prefix-aware (with a load cap), least-loaded or round-robin")
     parser.add_argument("--executor-threads", type=int, default=None, help="torch threads in the executor")
@@ -89,8 +100,25 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_log_args(parser)
 
 
-def stage_commands(args: argparse.Namespace, addresses: Addresses) -> dict[str, list[str]]:
-    """The command line of every stage process, by a unique stage name."""
+RANK_SUFFIX = "-rank"  # stage names of tensor-parallel ranks > 0: executor-rank1, executor-0-rank1, ...
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stage_groups(names: list[str]) -> dict[str, str]:
+    """Stage name -> its group (an executor's tensor-parallel ranks), for the stages in one."""
+    ranks = {name: name.rsplit(RANK_SUFFIX, 1)[0] for name in names if RANK_SUFFIX in name}
+    return {**{group: group for group in ranks.values()}, **ranks}
+
+
+def stage_commands(args: argparse.Namespace, addresses: Addresses,
+                   tp_ports: list[int] | None = None) -> dict[str, list[str]]:
+    """The command line of every stage process, by a unique stage name (tp_ports: each engine's
+    tensor-parallel rendezvous port, else free ones now)."""
     base = [sys.executable, "-m", "services.cli", "stage"]
     common = addresses.as_argv() + ["--log-level", args.log_level]
     if getattr(args, "curve_key_file", None):
@@ -129,12 +157,21 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses) -> dict[str, 
     cmds = {}
     # one engine: stages "scheduler" and "executor"; several: "scheduler-0", "executor-0", ...
     dp = getattr(args, "data_parallel_size", 1)
+    tp = getattr(args, "tensor_parallel_size", 1)
     engines = engine_addresses(addresses, dp)
+    if tp > 1 and tp_ports is None:
+        tp_ports = [free_port() for _ in engines]
     for i, engine in enumerate(engines):
         suffix = f"-{i}" if dp > 1 else ""
         own = engine.as_argv() + common[len(addresses.as_argv()):] + ["--engine", f"engine-{i}"]
         cmds[f"scheduler{suffix}"] = base + ["scheduler"] + scheduler + own
-        cmds[f"executor{suffix}"] = base + ["executor"] + executor + own
+        if tp == 1:
+            cmds[f"executor{suffix}"] = base + ["executor"] + executor + own
+            continue
+        group = ["--tensor-parallel-size", str(tp), "--tp-init-address", f"tcp://127.0.0.1:{tp_ports[i]}"]
+        for rank in range(tp):
+            name = f"executor{suffix}" + (f"{RANK_SUFFIX}{rank}" if rank else "")
+            cmds[name] = base + ["executor"] + executor + group + ["--tp-rank", str(rank)] + own
     cmds["gateway"] = base + ["gateway"] + gateway + common
     tokenizer = model + (["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])
     if dp > 1:
@@ -184,6 +221,7 @@ class Supervisor:
                  backoff_cap_s: float = BACKOFF_CAP_S, stable_s: float = STABLE_S, state_path: str | None = None):
         envs = envs or {}
         self.stages = [Stage(name, cmd, envs.get(name)) for name, cmd in commands.items()]
+        self.groups = stage_groups(list(commands))
         self.drain_timeout_s = drain_timeout_s
         self.backoff_base_s, self.backoff_cap_s, self.stable_s = backoff_base_s, backoff_cap_s, stable_s
         self.state_path = state_path
@@ -204,6 +242,7 @@ class Supervisor:
                     code = stage.proc.poll()
                     if code is not None:
                         stage.died(code, self.backoff_base_s, self.backoff_cap_s, self.stable_s)
+                        self._stop_group_of(stage)
                         changed = True
                 if stage.proc is None and time.monotonic() >= stage.restart_at:
                     stage.restarts_total += 1
@@ -213,6 +252,22 @@ class Supervisor:
                 self._write_state()
         self.stop_all()
         return 0
+
+    def _stop_group_of(self, dead: Stage) -> None:
+        """Kill the rest of a dead stage's group; all of them start again when it does."""
+        group = self.groups.get(dead.name)
+        if group is None:
+            return
+        for peer in self.stages:
+            if peer is dead or self.groups.get(peer.name) != group:
+                continue
+            if peer.proc is not None:
+                if peer.proc.poll() is None:
+                    log.warning("%s: killing it too, its group lost %s", peer.name, dead.name)
+                    peer.proc.kill()
+                peer.proc.wait()
+                peer.proc = None
+            peer.restart_at = dead.restart_at
 
     def _write_state(self) -> None:
         if self.state_path is None:
@@ -256,6 +311,8 @@ class Supervisor:
 def run(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         raise SystemExit("--data-parallel-size must be at least 1")
+    if args.tensor_parallel_size < 1:
+        raise SystemExit("--tensor-parallel-size must be at least 1")
     # refuse now, not in every stage: the addresses given are the only tcp:// ones
     load_keys(getattr(args, "curve_key_file", None), [getattr(args, name) for name in Addresses.__dataclass_fields__])
     resolve_model(args.model)  # convert a GGUF once, before the stages race to load it

@@ -1,0 +1,81 @@
+"""One rank of a tensor-parallel ModelRunner, as its own process, for tests/test_tensor_parallel.py.
+
+    python -m tests.tp_ranks --model DIR --rank R --size N --init tcp://127.0.0.1:PORT --prompts JSON --out FILE
+
+Rank 0 drives greedy decoding of the prompts (one prefill step of all of them, then
+decode steps of all together), handing each step to the other ranks through the
+group as the executor stage does; the other ranks run `Executor.follow`, the stage's
+own loop. Rank 0 writes every step's float32 logits and the greedy tokens to --out
+(torch.save). `drive` with a size-1 group is the reference run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from services.executor.model_runner import ModelRunner
+from services.executor.service import Executor
+from services.executor.tp_group import TPGroup
+from shared.messages import ExecuteStep, RankStop, ScheduledSeq, SeqSampling
+
+GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
+
+
+def make_runner(model: str, group: TPGroup) -> ModelRunner:
+    return ModelRunner(model, dtype="float32", num_kv_blocks=64, quantization="none", tp=group)
+
+
+def drive(runner: ModelRunner, group: TPGroup, prompts: list[list[int]], max_tokens: int):
+    """(logits of every step, greedy tokens per prompt), each step handed to the group first."""
+    bs = runner.block_size
+    tables = [list(range(1 + i * 8, 1 + (i + 1) * 8)) for i in range(len(prompts))]
+
+    def seq(i, tokens, start):
+        slots = [tables[i][p // bs] * bs + p % bs for p in range(start, start + len(tokens))]
+        return ScheduledSeq(request_id=str(i), token_ids=tokens, start_pos=start, block_table=tables[i],
+                            slot_mapping=slots, sample=True, output_index=start, sampling=GREEDY)
+
+    out: list[list[int]] = [[] for _ in prompts]
+    logits_per_step = []
+    for step_id in range(max_tokens):
+        if step_id == 0:
+            seqs = [seq(i, p, 0) for i, p in enumerate(prompts)]
+        else:
+            seqs = [seq(i, [o[-1]], len(p) + len(o) - 1) for i, (p, o) in enumerate(zip(prompts, out, strict=True))]
+        step = ExecuteStep(step_id=step_id, seqs=seqs)
+        group.send(step)
+        logits, _ = runner.compute_logits(step)
+        logits_per_step.append(logits.clone())
+        for o, t in zip(out, logits.argmax(-1).tolist(), strict=True):
+            o.append(t)
+    return logits_per_step, out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--init", required=True)
+    p.add_argument("--prompts", default="[]")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    group = TPGroup.join(args.rank, args.size, args.init, torch.device("cpu"))
+    runner = make_runner(args.model, group)
+    if args.rank > 0:
+        return Executor(argparse.Namespace(executor_id=None)).follow(runner, group)
+    logits, tokens = drive(runner, group, json.loads(args.prompts), args.max_tokens)
+    group.send(RankStop())
+    torch.save({"logits": logits, "tokens": tokens, "num_kv_blocks": runner.num_kv_blocks,
+                "kv_heads": runner.model.num_local_kv_heads}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
