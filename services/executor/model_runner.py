@@ -41,7 +41,9 @@ from services.executor.loader import load_model
 from services.executor.logits_processors import History
 from services.executor.logprobs import token_logprobs
 from services.executor.models.llama import head_dim_of
+from services.executor.quantization import CALIBRATION_ROWS
 from services.executor.sampler import Sampler
+from services.executor.step_calibration import calibrate_runner
 from services.executor.swap_space import SwapSpace
 from services.executor.tp_group import GroupBroken, TPGroup
 from shared.messages import ExecuteStep, StepResult
@@ -89,8 +91,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device, _checkpoint_dtype(model_dir))
         self.block_size = block_size
         self.backend = get_backend(attention_backend, device)
-        self.model = load_model(model_dir, self.dtype, self.device, self.backend, quantization, int4_max_rows,
-                                self.tp)
+        # on one CPU process the quantized copies' row limits are timed on real decode steps once the
+        # pool exists (services.executor.step_calibration); until then they serve every calibrated size
+        step_calibrated = int4_max_rows is None and self.tp.size == 1 and self.device.type == "cpu"
+        self.model = load_model(model_dir, self.dtype, self.device, self.backend, quantization,
+                                CALIBRATION_ROWS[-1] if step_calibrated else int4_max_rows, self.tp)
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.backend.name)
         config = self.model.config
         self.max_model_len: int = config.max_position_embeddings
@@ -118,6 +123,9 @@ class ModelRunner:
         elif cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
             self.graphs = DecodeGraphs(self.model, self.kv_cache.k_caches, self.kv_cache.v_caches, block_size,
                                        self.max_model_len, max_num_seqs, self.device)
+        if step_calibrated:  # under TP a rank cannot time a step alone: the loader timed matmuls instead
+            for line in calibrate_runner(self):
+                log.info(line)
         log.info("%s loaded (%s, %s, %s attention); KV pool %d blocks of %d tokens in %s, %.1f MiB%s",
                  model_dir, self.dtype, self.device, self.backend.name, num_kv_blocks, block_size,
                  self.kv_dtype, self.kv_cache.nbytes / 2**20,

@@ -1,0 +1,106 @@
+"""Chooses how many rows the quantized weight copies serve, by timing real decode forward passes.
+
+`quantization.calibrate` times the decoder's matmuls alone, one after another. There
+the 4-bit weights (a quarter of the bfloat16 bytes) can stay in a large L3 between
+calls, which a real step, whose attention and activations stream through the same
+cache, does not allow: on one host an int4 matmul took 125 us in that loop and
+475 us inside a step. So once the KV pool exists, the runner times whole decode
+steps of m sequences both ways, int4 copies on and off (and then the int8 head on
+and off), and keeps the largest m at which the quantized step is still faster.
+
+The steps are forward passes only (no sampling), with every sequence at `context`
+tokens read through its own blocks of the still empty pool, so attention reads as
+much KV as it would in service; what the blocks hold does not change the time.
+Both ways alternate and each keeps its best time, so a burst of load from another
+process slows both alike. Calibration runs before the executor serves anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from services.executor.batch import BatchMetadata
+from services.executor.quantization import CALIBRATION_ROWS
+from shared.messages import ExecuteStep, ScheduledSeq, SeqSampling
+
+log = logging.getLogger(__name__)
+
+GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
+
+
+def decode_step(rows: int, context: int, block_size: int, num_blocks: int) -> ExecuteStep | None:
+    """A decode step of `rows` sequences of `context` tokens on distinct blocks (block 0 left
+    alone); None if the pool is too small for it."""
+    per_seq = -(-context // block_size)
+    if rows * per_seq > num_blocks - 1:
+        return None
+    seqs = []
+    for i in range(rows):
+        table = list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))
+        pos = context - 1
+        slot = table[pos // block_size] * block_size + pos % block_size
+        seqs.append(ScheduledSeq(request_id=f"calibration-{i}", token_ids=[1 + i], start_pos=pos,
+                                 block_table=table, slot_mapping=[slot], sample=True, output_index=0,
+                                 sampling=GREEDY))
+    return ExecuteStep(step_id=0, seqs=seqs)
+
+
+def _forward_time(runner, meta: BatchMetadata) -> float:
+    start = time.perf_counter()
+    with torch.inference_mode():
+        runner.model(meta, runner.kv_cache.k_caches, runner.kv_cache.v_caches)
+    return time.perf_counter() - start
+
+
+def crossover(runner, use_rows: Callable[[int], None], label: str, context: int,
+              rows: tuple[int, ...] = CALIBRATION_ROWS, reps: int = 3) -> int:
+    """Largest m in `rows` at which a decode step of m sequences is faster with `use_rows(m)`
+    (quantized copies serve m rows) than with `use_rows(0)` (dense); 0 if never."""
+    best = 0
+    for m in rows:
+        step = decode_step(m, context, runner.block_size, runner.num_kv_blocks)
+        if step is None:
+            break
+        meta = BatchMetadata.from_step(step, runner.block_size, runner.num_kv_blocks, runner.device)
+        t_dense = t_quant = float("inf")
+        for rep in range(reps + 1):
+            use_rows(0)
+            dense = _forward_time(runner, meta)
+            use_rows(m)
+            quant = _forward_time(runner, meta)
+            if rep:  # the first round warms both paths up
+                t_dense, t_quant = min(t_dense, dense), min(t_quant, quant)
+        log.info("step calibration of %s: %d rows: dense %.2f ms, quantized %.2f ms", label, m,
+                 t_dense * 1e3, t_quant * 1e3)
+        if t_quant >= t_dense:
+            break
+        best = m
+    use_rows(best)
+    return best
+
+
+def calibrate_runner(runner, context: int = 128) -> list[str]:
+    """Set the row limits of the runner's int4 linears and int8 head from timed decode steps;
+    returns what was chosen, for the log. Leaves a model without quantized copies alone."""
+    model = runner.model
+    chosen = []
+    copies = [m.int4 for m in model.decoder_linears() if m.int4 is not None]
+    if copies:
+        def use_int4(m: int) -> None:
+            for c in copies:
+                c.max_rows = m
+
+        rows = crossover(runner, use_int4, "int4 linears", context)
+        chosen.append(f"int4 linears serve steps of at most {rows} tokens (timed on decode steps)")
+    head = getattr(model, "head_int8", None)
+    if head is not None:
+        def use_head(m: int) -> None:
+            head.max_rows = m
+
+        rows = crossover(runner, use_head, "int8 head", context)
+        chosen.append(f"the int8 head serves steps of at most {rows} sampled rows (timed on decode steps)")
+    return chosen
