@@ -1,12 +1,15 @@
-"""EngineRouter (data parallelism): prefix affinity, the load cap, liveness, ownership."""
+"""EngineRouter (data parallelism): prefix affinity, the load cap, warming and held requests,
+liveness, ownership; check_invariants under random operations (hypothesis)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from services.tokenizer.engine_router import LOAD_SLACK, EngineRouter, prefix_hashes
+from services.tokenizer.engine_router import HOLD_MAX_S, LOAD_RATIO, LOAD_SLACK, EngineRouter, prefix_hashes
 from shared.messages import EngineLoad, EngineLoads
 
 ENGINES = ["engine-0", "engine-1"]
@@ -45,7 +48,7 @@ def test_a_hot_prefix_is_capped_and_spreads():
     assert 0.3 <= share <= 0.7, share
     # the busier engine loses the preference only beyond the cap
     loads = [router.load(e) for e in ENGINES]
-    assert max(loads) <= 1.5 * min(loads) + LOAD_SLACK + 1
+    assert max(loads) <= LOAD_RATIO * min(loads) + LOAD_SLACK + 1
 
 
 def test_release_and_reported_load_steer_new_requests():
@@ -96,3 +99,160 @@ def test_bad_configuration_is_refused():
         EngineRouter([], "prefix")
     with pytest.raises(ValueError, match="routing policy"):
         EngineRouter(ENGINES, "random")
+
+
+class Engines:
+    """The router's tokenizer replica and its engines' prefix caches, as far as routing sees
+    them: a request sent goes into its engine's next step; after the step its blocks are
+    cached there (prefilled), and it finds cached only what an earlier step left."""
+
+    def __init__(self, router: EngineRouter):
+        self.router = router
+        self.cached: dict[str, set[int]] = {e: set() for e in router.engines}
+        self.step: list[tuple[str, list[int]]] = []  # sent, not yet prefilled
+        self.held: dict[str, list[int]] = {}
+        self.queries = self.hits = 0
+
+    def send(self, rid: str, ids: list[int]) -> str:
+        engine = self.router.route(rid, ids)
+        if self.router.held(rid):
+            self.held[rid] = ids
+        else:
+            self.step.append((rid, ids))
+        return engine
+
+    def run_step(self) -> None:
+        """The engines prefill what was sent; the held requests it frees are sent."""
+        for rid, ids in self.step:
+            cache = self.cached[self.router.owner(rid)]
+            hashes = prefix_hashes(ids, self.router.block_size)
+            self.queries += len(hashes)
+            self.hits += next((i for i, h in enumerate(hashes) if h not in cache), len(hashes))
+        for rid, ids in self.step:
+            self.cached[self.router.owner(rid)].update(prefix_hashes(ids, self.router.block_size))
+            self.router.prefilled(rid)
+        self.step = [(rid, self.held.pop(rid)) for rid in self.router.ready()]
+        self.router.check_invariants()
+
+
+def test_the_dp_tests_workload_keeps_each_system_prompt_on_one_engine():
+    """tests/e2e/test_data_parallel.py's waves: 4 system prompts, then 60 requests in a
+    shuffled burst: no spill, no hold, every system prompt on one engine, even split."""
+    for seed in range(20):
+        router = EngineRouter(ENGINES, "prefix")
+        engines = Engines(router)
+        for s in range(4):
+            engines.send(f"w{s}", prompt(s, 0))
+        engines.run_step()
+        home = {s: {router.owner(f"w{s}")} for s in range(4)}
+        assert sorted(min(h) for h in home.values()) == ["engine-0"] * 2 + ["engine-1"] * 2
+        for s in range(4):
+            router.release(f"w{s}")
+        burst = [(f"r{i}", prompt(i % 4, i)) for i in range(4, 64)]
+        random.Random(seed).shuffle(burst)
+        got = [engines.send(rid, ids) for rid, ids in burst]
+        engines.run_step()
+        assert router.spilled == 0 and router.held_total == 0
+        assert engines.hits == engines.queries - 4 * 4  # only the first wave's 4 blocks each missed
+        assert got.count("engine-0") == 30, got
+        assert {s: {router.owner(f"r{i}") for i in range(4, 64) if i % 4 == s} for s in range(4)} == home
+
+
+def test_a_cold_hot_prefix_spills_once_per_engine_and_the_rest_wait_for_its_prefill():
+    router = EngineRouter(ENGINES, "prefix")
+    engines = Engines(router)
+    got = [engines.send(f"r{i}", prompt(0, i)) for i in range(40)]
+    assert 0.3 <= got.count("engine-0") / 40 <= 0.7, got
+    assert router.spilled >= 1
+    assert len(engines.step) == 2 and {router.owner(rid) for rid, _ in engines.step} == set(ENGINES)
+    assert router.held_total == 38
+    engines.run_step()  # the two first prefills: all cold
+    assert engines.hits == 0 and len(engines.step) == 38
+    engines.run_step()  # the rest find the system prompt cached on their engine
+    assert engines.hits == 38 * 4 and engines.queries == 40 * 4
+
+
+def test_a_prefix_on_two_engines_goes_to_the_less_loaded_holder():
+    router = EngineRouter(ENGINES, "prefix")
+    engines = Engines(router)
+    for i in range(30):  # enough to spill: both engines hold system prompt 0 now
+        engines.send(f"a{i}", prompt(0, i))
+    engines.run_step()
+    engines.run_step()
+    for rid in [r for r in router.owned() if router.owner(r) == "engine-1"]:
+        router.release(rid)
+    spilled = router.spilled
+    assert engines.send("b", prompt(0, 99)) == "engine-1"
+    assert router.spilled == spilled and not router.held("b")  # a holder: no spill, and warm there
+
+
+def test_a_held_request_goes_when_its_warmer_is_released_or_its_engine_is_lost_or_late():
+    now = [0.0]
+    router = EngineRouter(ENGINES, "prefix", clock=lambda: now[0])
+    engine = router.route("first", prompt(3, 0))
+    router.route("second", prompt(3, 1))
+    router.route("third", prompt(3, 2))
+    assert router.held("second") and router.held("third") and router.ready() == []
+    router.release("first")  # aborted before its prefill: its engine may not hold the prefix
+    assert router.ready() == ["second"]  # the second warms it now; the third waits for it
+    assert router.held("third")
+    router.check_invariants()
+    router.update(EngineLoads([EngineLoad(e) for e in ENGINES if e != engine]))
+    assert router.ready() == ["third"]  # sent to a lost engine: the gateway sends it again
+    router.update(EngineLoads([EngineLoad(e) for e in ENGINES]))
+    router.route("fourth", prompt(3, 3))
+    assert router.held("fourth")
+    now[0] += HOLD_MAX_S
+    assert router.ready() == ["fourth"]
+    router.check_invariants()
+
+
+def test_a_longer_prompt_waits_for_the_shared_part_and_warms_its_own():
+    router = EngineRouter(ENGINES, "prefix")
+    short = prompt(5, 0)
+    engine = router.route("short", short)
+    longer = short[:64] + list(range(900, 964))  # the 4 shared blocks, then 4 of its own
+    assert router.route("long", longer) == engine and router.held("long")
+    assert router.route("longer-still", longer + [1, 2]) == engine and router.held("longer-still")
+    router.prefilled("short")
+    assert router.ready() == ["long"]  # "longer-still" waits for the blocks "long" warms
+    router.prefilled("long")
+    assert router.ready() == ["longer-still"]
+    router.check_invariants()
+
+
+ops = st.lists(st.tuples(st.sampled_from(["route", "prefilled", "release", "update", "tick"]),
+                         st.integers(0, 5), st.integers(0, 3)), max_size=120)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.sampled_from(["prefix", "least-loaded", "round-robin"]), st.integers(2, 40))
+def test_invariants_hold_under_random_operations(ops, policy, max_prefixes):
+    now = [0.0]
+    engines = ["engine-0", "engine-1", "engine-2"]
+    router = EngineRouter(engines, policy, block_size=4, max_prefixes=max_prefixes, clock=lambda: now[0])
+    sent: set[str] = set()
+    n = 0
+    for op, a, b in ops:
+        if op == "route":
+            n += 1
+            rid = f"r{n}"
+            engine = router.route(rid, [1000 * b + k for k in range(4 * a)] + [n])
+            assert engine in (router.live or engines)
+            if not router.held(rid):
+                sent.add(rid)
+        elif op == "prefilled" and sent:
+            router.prefilled(sorted(sent)[a % len(sent)])
+        elif op == "release" and router.owned():
+            rid = router.owned()[a % len(router.owned())]
+            router.release(rid)
+            sent.discard(rid)
+        elif op == "update":
+            router.update(EngineLoads([EngineLoad(e, a, b, a / 10) for i, e in enumerate(engines) if i != b]))
+        elif op == "tick":
+            now[0] += a
+        for rid in router.ready():
+            assert rid in router.owned() and not router.held(rid)
+            sent.add(rid)
+        router.check_invariants()
+    assert all(router.held(rid) for rid in router.owned() if rid not in sent)

@@ -1,23 +1,38 @@
-"""Data parallelism: which engine (scheduler + executor) each new request goes to.
+"""Data parallelism: which engine (scheduler + executor) each new request goes to, and when.
 
 A tokenizer replica is where a prompt's tokens are first known, so it routes. Policies:
 
-- `prefix` (default): the engine most likely to hold the request's leading full blocks in
-  its prefix cache. The router keeps an approximate map from the chained hash of each
-  full prompt block (the block manager's own scheme: hash of (parent hash, block tokens))
-  to the engine it last sent that prefix to, a bounded LRU. The deepest block found picks
-  the engine, unless that engine is much busier than the least loaded one (more than
-  LOAD_RATIO times its load plus LOAD_SLACK): then, as for a prefix never seen, the least
-  loaded engine takes it, so a hot prefix spreads instead of piling onto one engine.
+- `prefix` (default), after SGLang's cache-aware router and llm-d's prefix scorer: the
+  router keeps an approximate map from the chained hash of each full prompt block (the
+  block manager's own scheme: hash of (parent hash, block tokens)) to the engines it sent
+  that block to (a bounded LRU). The deepest block of the prompt that some live engine
+  holds picks the engine: the least loaded of its holders, unless even that one is much
+  busier than the least loaded engine (more than LOAD_RATIO times its load plus
+  LOAD_SLACK). Only then does the request spill to the least loaded engine, which becomes
+  a further holder, so a hot prefix spreads over a few engines instead of piling onto one,
+  and each engine that holds it keeps being preferred. A prompt with no block held
+  anywhere goes to the least loaded engine, ties to the one holding the fewest blocks (so
+  distinct system prompts split evenly), then in turn.
 - `least-loaded`: the engine with the lowest load.
 - `round-robin`: each live engine in turn.
 
+Warming (prefix policy): a block sent to an engine that did not hold it is "warming" there
+until the request that carries it has been prefilled (its first output comes back,
+`prefilled`). A request whose deepest matching block on its chosen engine is still warming
+is held (`held`) rather than sent: sent now it would be prefilled in the same step as the
+first and miss the cache (SGLang's scheduler defers such in-batch duplicates the same way).
+It is let go (`ready`) once the warming request is prefilled or released (the first request
+held behind a released one warms its blocks in its place), once that
+engine leaves the live set, or after HOLD_MAX_S at most. So a spill costs one cold prefill
+of the prefix on the new engine, not one per request spilled with it.
+
 Load is running + waiting requests plus KV_WEIGHT times the fraction of KV blocks in
-use. This replica knows its own requests in flight exactly, at every moment (so a burst
-does not all land on the engine that looked idle a moment ago); the gateway reports each
-live engine's figures (EngineLoads, from the schedulers' heartbeats) a few times a
-second, and what they count beyond this replica's requests (other replicas' work) is
-added as it was at the latest report.
+use. This replica knows its own requests in flight exactly, held ones included, at every
+moment (so a burst does not all land on the engine that looked idle a moment ago); the
+gateway reports each live engine's figures (EngineLoads, from the schedulers' heartbeats) a
+few times a second, and what they count beyond this replica's requests (other replicas'
+work) is added as it was at the latest report. Each replica keeps its own prefix map: with
+several replicas a prefix may be warmed once per replica.
 
 Only engines in the latest report are live (one that dies or hangs is left out by the
 gateway); before any report every configured engine is. A request's later messages go to
@@ -26,15 +41,18 @@ the engine that owns it (`owner`), until `release`.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 from shared.messages import EngineLoads
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
 MAX_PREFIXES = 65536  # block hashes remembered (LRU)
 LOAD_RATIO = 1.5
-LOAD_SLACK = 4.0
+LOAD_SLACK = 8.0  # requests: below this imbalance a spill's cold prefill costs more than it saves
 KV_WEIGHT = 4.0  # a full KV pool weighs as much as this many requests
+HOLD_MAX_S = 10.0  # the longest a request waits for the prefill of a prefix it shares
 
 
 def prefix_hashes(token_ids: list[int], block_size: int) -> list[int]:
@@ -47,7 +65,7 @@ def prefix_hashes(token_ids: list[int], block_size: int) -> list[int]:
 
 class EngineRouter:
     def __init__(self, engines: list[str], policy: str = "prefix", block_size: int = 16,
-                 max_prefixes: int = MAX_PREFIXES):
+                 max_prefixes: int = MAX_PREFIXES, clock: Callable[[], float] = time.monotonic):
         if not engines:
             raise ValueError("at least one engine")
         if policy not in POLICIES:
@@ -56,14 +74,21 @@ class EngineRouter:
         self.policy = policy
         self.block_size = block_size
         self.max_prefixes = max_prefixes
+        self.clock = clock
         self.live: list[str] = list(engines)
         self._others: dict[str, float] = {}  # engine -> its requests not from this replica, at the latest report
         self._kv_usage: dict[str, float] = {}
         self._in_flight: Counter[str] = Counter()  # this replica's requests, by engine
         self._owner: dict[str, str] = {}  # request id -> engine
-        self._prefixes: OrderedDict[int, str] = OrderedDict()  # block hash -> engine
+        # block hash -> {engine holding it: the request warming it there, or None once prefilled}
+        self._prefixes: OrderedDict[int, dict[str, str | None]] = OrderedDict()
+        self._blocks: Counter[str] = Counter()  # engine -> blocks of the map it holds
+        self._warming: dict[str, list[int]] = {}  # request id -> the blocks it warms on its engine
+        self._held: dict[str, tuple[str, float]] = {}  # request id -> (the warming request it waits for, since)
         self._next = 0
         self.prefix_routed = 0  # requests the prefix map placed (for logs and tests)
+        self.spilled = 0  # requests the load cap sent away from every engine holding their prefix
+        self.held_total = 0
 
     def update(self, loads: EngineLoads) -> None:
         known = set(self.engines)
@@ -79,51 +104,116 @@ class EngineRouter:
         return requests + KV_WEIGHT * self._kv_usage.get(engine, 0.0)
 
     def route(self, request_id: str, token_ids: list[int]) -> str:
-        """The engine for a new request; it owns the request until `release`."""
+        """The engine for a new request; it owns the request until `release`. When `held`
+        says so afterwards, the request is not to be sent before `ready` lets it go."""
         candidates = self.live or self.engines  # none live: still queue somewhere
         hashes = prefix_hashes(token_ids, self.block_size) if self.policy == "prefix" else []
-        engine = None
         if self.policy == "round-robin":
             engine = candidates[self._next % len(candidates)]
             self._next += 1
         else:
             least = self._least_loaded(candidates)
-            engine = self._by_prefix(hashes, candidates, self.load(least))
-            if engine is None:
-                engine = least
-            else:
-                self.prefix_routed += 1
-        for h in hashes:
-            self._prefixes[h] = engine
-            self._prefixes.move_to_end(h)
-        while len(self._prefixes) > self.max_prefixes:
-            self._prefixes.popitem(last=False)
+            engine = self._by_prefix(hashes, candidates, least)
         self._owner[request_id] = engine
         self._in_flight[engine] += 1
+        if hashes:
+            self._place(request_id, engine, hashes)
         return engine
 
     def _least_loaded(self, candidates: list[str]) -> str:
-        # ties rotate, so idle engines take turns instead of the first taking everything
+        # ties go to the engine holding fewer blocks, then rotate, so idle engines take turns
         start = self._next % len(candidates)
         self._next += 1
         order = candidates[start:] + candidates[:start]
-        return min(order, key=self.load)
+        return min(order, key=lambda e: (self.load(e), self._blocks[e]))
 
-    def _by_prefix(self, hashes: list[int], candidates: list[str], least_load: float) -> str | None:
-        for h in reversed(hashes):  # the deepest block this router placed
-            engine = self._prefixes.get(h)
-            if engine is None or engine not in candidates:
+    def _by_prefix(self, hashes: list[int], candidates: list[str], least: str) -> str:
+        for h in reversed(hashes):  # the deepest block some live engine holds
+            holders = [e for e in candidates if e in self._prefixes.get(h, ())]
+            if not holders:
                 continue
-            if self.load(engine) <= LOAD_RATIO * least_load + LOAD_SLACK:
-                return engine
-            return None  # too busy: the least loaded engine takes it
-        return None
+            best = min(holders, key=self.load)
+            if self.load(best) <= LOAD_RATIO * self.load(least) + LOAD_SLACK:
+                self.prefix_routed += 1
+                return best
+            self.spilled += 1
+            return least
+        return least
+
+    def _place(self, request_id: str, engine: str, hashes: list[int]) -> None:
+        """Note the blocks as held by engine; hold the request if the deepest of them that the
+        engine held already is still warming there (the blocks after it it warms itself)."""
+        waits_for = None
+        warming: list[int] = []
+        for h in hashes:
+            holders = self._prefixes.get(h)
+            if holders is None:
+                holders = self._prefixes[h] = {}
+            if engine not in holders:
+                holders[engine] = request_id
+                self._blocks[engine] += 1
+                warming.append(h)
+            elif not warming:
+                waits_for = holders[engine]  # None once prefilled
+            self._prefixes.move_to_end(h)
+        if warming:
+            self._warming[request_id] = warming
+        if waits_for is not None:
+            self._held[request_id] = (waits_for, self.clock())
+            self.held_total += 1
+        while len(self._prefixes) > self.max_prefixes:
+            _, holders = self._prefixes.popitem(last=False)
+            for e in holders:
+                self._blocks[e] -= 1
+                if not self._blocks[e]:
+                    del self._blocks[e]
+
+    def held(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def prefilled(self, request_id: str) -> None:
+        """The request's first output came back: the blocks it warmed are cached on its engine."""
+        engine = self._owner.get(request_id)
+        for h in self._warming.pop(request_id, []):
+            holders = self._prefixes.get(h)
+            if holders is not None and engine is not None and holders.get(engine) == request_id:
+                holders[engine] = None
+
+    def ready(self) -> list[str]:
+        """Held requests that may be sent now, in the order they were routed."""
+        now = self.clock()
+        live = set(self.live)
+        out = [rid for rid, (first, since) in self._held.items()
+               if first not in self._warming or self._owner.get(rid) not in live or now - since >= HOLD_MAX_S]
+        for rid in out:
+            del self._held[rid]
+        return out
 
     def owner(self, request_id: str) -> str | None:
         return self._owner.get(request_id)
 
     def release(self, request_id: str) -> None:
         engine = self._owner.pop(request_id, None)
+        self._held.pop(request_id, None)
+        # Released before its first output (aborted, failed): what it warmed may never have been
+        # cached. The first request held behind it warms it instead (it is sent now, the others
+        # wait for it); with none, the engine no longer counts as holding those blocks.
+        followers = [rid for rid, (first, _since) in self._held.items() if first == request_id]  # ready() lets the heir go
+        heir = followers[0] if followers else None
+        for rid in followers[1:]:
+            self._held[rid] = (heir, self._held[rid][1])
+        for h in self._warming.pop(request_id, []):
+            holders = self._prefixes.get(h)
+            if holders is None or engine is None or holders.get(engine) != request_id:
+                continue
+            if heir is not None:
+                holders[engine] = heir
+                self._warming.setdefault(heir, []).append(h)
+            else:
+                del holders[engine]
+                self._blocks[engine] -= 1
+                if not self._blocks[engine]:
+                    del self._blocks[engine]
         if engine is not None:
             self._in_flight[engine] -= 1
             if not self._in_flight[engine]:
@@ -138,4 +228,14 @@ class EngineRouter:
         assert counts == +self._in_flight, (counts, self._in_flight)
         assert all(n > 0 for n in self._in_flight.values())
         assert len(self._prefixes) <= self.max_prefixes
-        assert set(self._prefixes.values()) <= set(self.engines)
+        held = Counter(e for holders in self._prefixes.values() for e in holders)
+        assert held == +self._blocks, (held, self._blocks)
+        assert set(held) <= set(self.engines)
+        # a block warming on an engine is warmed by a request that engine owns and that is not yet prefilled
+        for h, holders in self._prefixes.items():
+            for e, rid in holders.items():
+                if rid is not None:
+                    assert self._owner.get(rid) == e and h in self._warming.get(rid, ()), (h, e, rid)
+        assert set(self._warming) <= set(self._owner)
+        for rid, (first, _since) in self._held.items():
+            assert rid in self._owner and first != rid, rid

@@ -2,7 +2,11 @@
 
 `send` is the TokenizerStage's way to the scheduler: a new TokenizedRequest goes to the
 engine the EngineRouter picks (and the gateway is told which, RequestRouted, so it can
-send the request again if that engine is lost); a FinishRequest or an AbortRequest goes
+send the request again if that engine is lost), at once or, when the router holds it
+until a request sharing its prefix has been prefilled there, once `ready` lets it go (the
+first output of each request is reported to the router as it passes through
+`recv_nowait`; held requests are looked at on every send, receive, load report and
+release). An aborted held request is dropped unsent. A FinishRequest or an AbortRequest goes
 to the engine that owns its request, or to every engine when none is known (the request
 finished here already: an engine that does not know it ignores it); a dashboard's
 WatchPool goes to every engine. With one engine everything goes to it, as before.
@@ -42,6 +46,7 @@ class EngineLinks:
                         for name, address in zip(names, scheduler_addresses, strict=True)}
         self.router = EngineRouter(names, policy)
         self._to_gateway = to_gateway
+        self._held: dict[str, TokenizedRequest] = {}  # routed, not yet sent (see EngineRouter.held)
 
     @property
     def many(self) -> bool:
@@ -52,33 +57,53 @@ class EngineLinks:
             next(iter(self.sockets.values())).send(msg)
         elif isinstance(msg, TokenizedRequest):
             engine = self.router.route(msg.request_id, msg.prompt_token_ids)
-            self.sockets[engine].send(msg)
             self._to_gateway(RequestRouted(msg.request_id, engine))
+            if self.router.held(msg.request_id):
+                self._held[msg.request_id] = msg
+            else:
+                self.sockets[engine].send(msg)
+            self._send_ready()
         elif isinstance(msg, FinishRequest | AbortRequest):
             engine = self.router.owner(msg.request_id)
+            unsent = isinstance(msg, AbortRequest) and self._held.pop(msg.request_id, None) is not None
             if isinstance(msg, AbortRequest):
                 self.router.release(msg.request_id)
-            for name in [engine] if engine is not None else self.sockets:
-                self.sockets[name].send(msg)
+            if not unsent:
+                for name in [engine] if engine is not None else self.sockets:
+                    self.sockets[name].send(msg)
+            self._send_ready()
         else:  # WatchPool
             for sock in self.sockets.values():
                 sock.send(msg)
 
     def update(self, loads: EngineLoads) -> None:
         self.router.update(loads)
+        self._send_ready()
 
     def forget_finished(self, active: dict) -> None:
         """Release the requests the stage no longer holds (finished, failed, aborted)."""
         if self.many:
             for request_id in self.router.owned():
                 if request_id not in active:
+                    self._held.pop(request_id, None)
                     self.router.release(request_id)
+            self._send_ready()
 
     def recv_nowait(self) -> list:
         out = []
         for sock in self.sockets.values():
             out += sock.recv_nowait()
+        if self.many:
+            for msg in out:  # a first output: that request's prefill has run
+                self.router.prefilled(msg.request_id)
+            self._send_ready()
         return out
+
+    def _send_ready(self) -> None:
+        for request_id in self.router.ready():
+            msg = self._held.pop(request_id, None)
+            if msg is not None:
+                self.sockets[self.router.owner(request_id)].send(msg)
 
     def close(self) -> None:
         for sock in self.sockets.values():
