@@ -6,7 +6,8 @@ Rank 0 drives greedy decoding of the prompts (one prefill step of all of them, t
 decode steps of all together), handing each step to the other ranks through the
 group as the executor stage does; the other ranks run `Executor.follow`, the stage's
 own loop. Rank 0 writes every step's float32 logits and the greedy tokens to --out
-(torch.save). `drive` with a size-1 group is the reference run.
+(torch.save), with whether rank 0 used int4/int8 copies (`--quantization`). `drive`
+with a size-1 group is the reference run.
 """
 
 from __future__ import annotations
@@ -24,8 +25,16 @@ from shared.messages import ExecuteStep, RankStop, ScheduledSeq, SeqSampling
 GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
 
 
-def make_runner(model: str, group: TPGroup) -> ModelRunner:
-    return ModelRunner(model, dtype="float32", num_kv_blocks=64, quantization="none", tp=group)
+def make_runner(model: str, group: TPGroup, quantization: str = "none", int4_max_rows: int | None = None) -> ModelRunner:
+    return ModelRunner(model, dtype="float32", num_kv_blocks=64, quantization=quantization,
+                       int4_max_rows=int4_max_rows, tp=group)
+
+
+def quantized(runner: ModelRunner) -> dict[str, bool]:
+    """Whether every decoder linear has an int4 copy in use, and the head an int8 one."""
+    model = runner.model
+    return {"int4": all(m.int4 is not None and m.int4.max_rows > 0 for m in model.decoder_linears()),
+            "int8_head": model.head_int8 is not None and model.head_int8.max_rows > 0}
 
 
 def drive(runner: ModelRunner, group: TPGroup, prompts: list[list[int]], max_tokens: int):
@@ -64,16 +73,18 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None)
+    p.add_argument("--quantization", default="none")
+    p.add_argument("--int4-max-rows", type=int, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     group = TPGroup.join(args.rank, args.size, args.init, torch.device("cpu"))
-    runner = make_runner(args.model, group)
+    runner = make_runner(args.model, group, args.quantization, args.int4_max_rows)
     if args.rank > 0:
         return Executor(argparse.Namespace(executor_id=None)).follow(runner, group)
     logits, tokens = drive(runner, group, json.loads(args.prompts), args.max_tokens)
     group.send(RankStop())
     torch.save({"logits": logits, "tokens": tokens, "num_kv_blocks": runner.num_kv_blocks,
-                "kv_heads": runner.model.num_local_kv_heads}, args.out)
+                "kv_heads": runner.model.num_local_kv_heads, **quantized(runner)}, args.out)
     return 0
 
 
