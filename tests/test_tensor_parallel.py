@@ -8,7 +8,8 @@
 - Serving: `pagedserve serve --tensor-parallel-size 2` through the HTTP API gives the
   greedy output of `--tensor-parallel-size 1`; kill -9 of rank 1 mid-run restarts the
   whole executor group, the scheduler recomputes, and every request completes with the
-  output of an undisturbed run.
+  output of an undisturbed run. The launcher's group rule alone, on sleeping
+  processes: a dead rank restarts its whole group and no other stage.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -27,9 +29,11 @@ import torch
 
 from services.executor.models.sharding import ModelShard
 from services.executor.tp_group import TPGroup
+from services.launcher import Supervisor
 from tests.conftest import needs_smollm2
 from tests.e2e.load import dumps, greedy, prompts, run_load
 from tests.helpers import ROOT, ServerProcess, free_port
+from tests.test_launcher import BASE_S, CAP_S, SLEEPER, wait_for
 from tests.tp_ranks import drive, make_runner
 
 TOLERANCE = 1e-4
@@ -121,6 +125,29 @@ def test_smollm2_int4_copies_per_shard(tmp_path):
     prefill = (got["logits"][0] - ref_logits[0]).abs().max().item()
     assert prefill <= LOGIT_TOLERANCE, prefill
     assert [t[0] for t in got["tokens"]] == [t[0] for t in ref_tokens]
+
+
+def test_a_dead_tensor_parallel_rank_restarts_its_whole_group_and_nothing_else():
+    names = ["executor", "executor-rank1", "executor-rank2", "scheduler"]
+    sup = Supervisor({name: SLEEPER for name in names}, backoff_base_s=BASE_S, backoff_cap_s=CAP_S)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(sup.run()), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: all(s.proc is not None for s in sup.stages), "the stages to start")
+        pids = {s.name: s.proc.pid for s in sup.stages}
+        os.kill(pids["executor-rank1"], 9)
+        group = [s for s in sup.stages if s.name.startswith("executor")]
+        wait_for(lambda: all(s.restarts_total == 1 and s.proc is not None for s in group), "the group's restart")
+        for stage in group:
+            assert stage.proc.pid != pids[stage.name] and stage.proc.poll() is None
+        scheduler = sup.stages[-1]
+        assert scheduler.restarts_total == 0 and scheduler.proc.pid == pids["scheduler"]
+        assert [s.failures for s in group] == [0, 1, 0]  # the one that died counts it
+    finally:
+        sup.stopping = True
+        thread.join(30)
+    assert result == [0]
 
 
 # --- serving through the HTTP API ----------------------------------------------------------
