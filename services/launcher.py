@@ -87,6 +87,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
                         help="with several engines: prefix-aware (with a load cap), least-loaded or round-robin")
     parser.add_argument("--executor-threads", type=int, default=None, help="torch threads in the executor")
+    parser.add_argument("--frontend-nice", type=int, default=0,
+                        help="niceness added to the gateway and tokenizer processes, so that on a machine they share "
+                             "with the executor its compute threads are preempted less (see benchmarks/placement.py)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="on CUDA, the fraction of GPU memory the executor may use (KV pool sizing)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "triton", "torch"])
@@ -191,6 +194,7 @@ class Stage:
     name: str
     cmd: list[str]
     env: dict[str, str] | None = None
+    nice: int = 0  # added to the process's niceness at start
     proc: subprocess.Popen | None = None
     failures: int = 0  # deaths in a row, each after less than STABLE_S
     restarts_total: int = 0
@@ -199,7 +203,9 @@ class Stage:
     delays: list[float] = field(default_factory=list)  # backoffs chosen, the latest few
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, start_new_session=False, env=self.env)
+        nice = self.nice
+        self.proc = subprocess.Popen(self.cmd, start_new_session=False, env=self.env,
+                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
         self.restart_at = None
         self.starts = self.starts[-63:] + [time.monotonic()]
         log.info("started %s (pid %d)", self.name, self.proc.pid)
@@ -218,9 +224,10 @@ class Stage:
 class Supervisor:
     def __init__(self, commands: dict[str, list[str]], envs: dict[str, dict[str, str]] | None = None,
                  drain_timeout_s: float = 0.0, backoff_base_s: float = BACKOFF_BASE_S,
-                 backoff_cap_s: float = BACKOFF_CAP_S, stable_s: float = STABLE_S, state_path: str | None = None):
-        envs = envs or {}
-        self.stages = [Stage(name, cmd, envs.get(name)) for name, cmd in commands.items()]
+                 backoff_cap_s: float = BACKOFF_CAP_S, stable_s: float = STABLE_S, state_path: str | None = None,
+                 nice: dict[str, int] | None = None):
+        envs, nice = envs or {}, nice or {}
+        self.stages = [Stage(name, cmd, envs.get(name), nice.get(name, 0)) for name, cmd in commands.items()]
         self.groups = stage_groups(list(commands))
         self.drain_timeout_s = drain_timeout_s
         self.backoff_base_s, self.backoff_cap_s, self.stable_s = backoff_base_s, backoff_cap_s, stable_s
@@ -324,8 +331,10 @@ def run(args: argparse.Namespace) -> int:
     gateway_env = {**os.environ, STATE_ENV: state_path}
     if args.api_key:
         gateway_env[API_KEY_ENV] = args.api_key  # not in `ps`
-    supervisor = Supervisor(stage_commands(args, addresses), {"gateway": gateway_env}, args.shutdown_timeout,
-                            state_path=state_path)
+    commands = stage_commands(args, addresses)
+    frontend = {name: args.frontend_nice for name in commands if name == "gateway" or name.startswith("tokenizer")}
+    supervisor = Supervisor(commands, {"gateway": gateway_env}, args.shutdown_timeout, state_path=state_path,
+                            nice=frontend)
 
     def stop(signum, _frame):
         log.info("signal %d: stopping every stage", signum)

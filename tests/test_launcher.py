@@ -5,6 +5,7 @@ restarts are published for the gateway (/health, /metrics), and only a stop ends
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -90,3 +91,21 @@ def test_the_gateway_reports_restarts_and_is_unhealthy_while_a_stage_waits_to_re
     assert tracker.report()[0]
     values = parse_metrics(metrics.render()[0].decode())
     assert values['pagedserve_stage_restarts_total{stage="executor"}'] == 8
+
+def _niceness(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[16])
+
+
+def test_frontend_stages_start_with_the_added_niceness():
+    sup = Supervisor({"gateway": SLEEPER, "executor": SLEEPER}, nice={"gateway": 7})
+    thread = threading.Thread(target=sup.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: all(s.proc is not None for s in sup.stages), "the stages to start")
+        gateway, executor = sup.stages
+        own = _niceness(os.getpid())
+        assert _niceness(gateway.proc.pid) == min(own + 7, 19)
+        assert _niceness(executor.proc.pid) == own
+    finally:
+        sup.stopping = True
+        thread.join(30)

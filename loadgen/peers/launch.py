@@ -81,8 +81,9 @@ class Peer:
 
     def __init__(self, kind: str, log_dir: Path, port: int | None = None, threads: int | None = None,
                  startup_timeout: float = 300.0, options: tuple[str, ...] = (), model: str = "smollm2",
-                 log_name: str | None = None) -> None:
+                 log_name: str | None = None, env: dict[str, str] | None = None) -> None:
         self.kind = kind
+        self.extra_env = env or {}  # on top of this process's environment
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = command(kind, self.port, threads, options, model)
@@ -93,7 +94,7 @@ class Peer:
     def __enter__(self) -> Peer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, **self.extra_env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         try:
