@@ -71,6 +71,57 @@ def test_compose_config_accepts_the_cpu_and_gpu_variants():
     assert {gpu[s]["image"] for s in STAGES - {"executor"}} == {"pagedserve:cpu"}
 
 
+def engines_of(services: dict) -> list[tuple[dict, dict]]:
+    """(scheduler, executor) of each engine, in engine order: compose.dp.yaml's numbered services."""
+    out = [(services["scheduler"], services["executor"])]
+    while f"scheduler-{len(out)}" in services:
+        out.append((services[f"scheduler-{len(out)}"], services[f"executor-{len(out)}"]))
+    return out
+
+
+def check_engines(services: dict) -> None:
+    """Each engine's stages name it, its scheduler binds the ports its executor and the tokenizers
+    reach it on, and the tokenizers' list names every engine's scheduler in engine order."""
+    engines = engines_of(services)
+    assert len(engines) == 2
+    tokenizer = services["tokenizer"]
+    assert tokenizer["environment"]["PAGEDSERVE_SCHEDULER_IN"].split(",") == [
+        f"tcp://{'scheduler' if i == 0 else f'scheduler-{i}'}:5554" for i in range(len(engines))]
+    assert flags(tokenizer["command"])["--routing"] in ("${PAGEDSERVE_ROUTING:-prefix}", "prefix")  # raw, resolved
+    for i, (scheduler, executor) in enumerate(engines):
+        name = "scheduler" if i == 0 else f"scheduler-{i}"
+        named = [flags(stage["command"]).get("--engine", "engine-0") for stage in (scheduler, executor)]
+        assert named == [f"engine-{i}"] * 2, (i, named)
+        binds = flags(scheduler["command"])
+        for flag, env in (("--executor-in", "PAGEDSERVE_EXECUTOR_IN"), ("--executor-out", "PAGEDSERVE_EXECUTOR_OUT")):
+            assert executor["environment"][env] == binds[flag].replace("*", name), (i, env)
+        assert binds["--scheduler-in"] == "tcp://*:5554"
+
+
+@needs_compose
+def test_compose_dp_yaml_adds_a_second_engine_as_numbered_services():
+    services = {name: svc for name, svc in resolved("compose.yaml", "compose.dp.yaml")["services"].items()
+                if not svc.get("profiles")}
+    assert set(services) == STAGES | {"scheduler-1", "executor-1"}
+    check_engines(services)
+    for name in ("scheduler-1", "executor-1"):  # all else as the base service (extends)
+        base = services[name.removesuffix("-1")]
+        for key in ("image", "restart", "healthcheck", "volumes", "secrets", "init"):
+            assert services[name][key] == base[key], (name, key)
+        assert services[name]["command"][:2] == ["stage", name.removesuffix("-1")]
+    assert set(services["gateway"]["depends_on"]) == set(services) - {"gateway"}  # stopped first
+    tokenizer = services["tokenizer"]
+    assert "container_name" not in tokenizer and "ports" not in tokenizer  # still --scale tokenizer=N
+    gpu = resolved("compose.yaml", "compose.gpu.yaml", "compose.dp.yaml")["services"]
+    assert set(services) <= set(gpu) and flags(gpu["executor"]["command"])["--device"] == "cuda"
+
+
+def test_compose_dp_yaml_wires_each_engine_to_its_own_scheduler():
+    from tests.e2e.topology import merged
+
+    check_engines(merged("compose.dp.yaml")["services"])
+
+
 @needs_compose
 def test_the_monitoring_profile_runs_prometheus_and_grafana_with_the_dashboard():
     plain, monitoring = resolved("compose.yaml")["services"], resolved("compose.yaml", profiles=("monitoring",))["services"]

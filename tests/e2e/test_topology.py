@@ -1,6 +1,8 @@
 """compose.yaml's topology as plain processes on tcp:// loopback, two tokenizer replicas,
 the API key from the environment as compose passes it; then one replica is killed
-(kill -9) under load and every request still completes with the undisturbed output."""
+(kill -9) under load and every request still completes with the undisturbed output.
+Last, compose.yaml + compose.dp.yaml (two engines as numbered services) as processes:
+both engines serve, requests spread over them, outputs equal the one engine's."""
 
 from __future__ import annotations
 
@@ -83,3 +85,25 @@ def test_a_killed_tokenizer_replicas_requests_are_retried_on_the_other(topology)
     assert after_kill_s < 60
     status, body = get(topology.url + "/health", headers=AUTH)
     assert status == 200, body  # one replica is enough
+
+
+def test_two_engines_from_compose_dp_yaml_serve_with_one_engines_outputs(topology, tiny_model_dir, tmp_path):
+    load = [greedy([300 + 1000 * (i % 4) + k for k in range(32)] + [7000 + i, 5], 8) for i in range(16)]
+    want = asyncio.run(run_load(topology.url, load, [], AUTH))
+    assert all(r[0] == 200 for r in want), want
+    env = {"PAGEDSERVE_API_KEY": KEY, "PAGEDSERVE_DTYPE": "float32"}
+    with ComposeTopology(tiny_model_dir, tmp_path, tokenizers=1, env=env, layers=("compose.dp.yaml",)) as dp:
+        assert {"scheduler-1", "executor-1"} <= set(dp.procs)
+        deadline = time.monotonic() + 120
+        while True:
+            engines = json.loads(get(dp.url + "/health", headers=AUTH)[1]).get("engines", {})
+            if sum(e["serving"] for e in engines.values()) == 2:
+                break
+            assert time.monotonic() < deadline, (engines, dp.log("gateway"))
+            time.sleep(0.5)
+        assert sorted(engines) == ["engine-0", "engine-1"]
+        got = asyncio.run(run_load(dp.url, load, [], AUTH))
+        assert got == want, dp.log("tokenizer-0")
+        metrics = parse_metrics(get(dp.url + "/metrics", headers=AUTH)[1])
+        routed = [metrics[f'pagedserve_engine_requests_routed_total{{engine="engine-{i}"}}'] for i in range(2)]
+        assert sum(routed) == len(load) and min(routed) > 0, routed
