@@ -9,7 +9,8 @@
   greedy output of `--tensor-parallel-size 1`; kill -9 of rank 1 mid-run restarts the
   whole executor group, the scheduler recomputes, and every request completes with the
   output of an undisturbed run. The launcher's group rule alone, on sleeping
-  processes: a dead rank restarts its whole group and no other stage.
+  processes: a dead rank restarts its whole group and no other stage. Without a
+  launcher (compose), an idle rank whose peer is killed exits by itself.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +30,7 @@ import pytest
 import torch
 
 from services.executor.models.sharding import ModelShard
-from services.executor.tp_group import TPGroup
+from services.executor.tp_group import KEEPALIVE_S, TPGroup
 from services.launcher import Supervisor
 from tests.conftest import needs_smollm2
 from tests.e2e.load import dumps, greedy, prompts, run_load
@@ -148,6 +150,42 @@ def test_a_dead_tensor_parallel_rank_restarts_its_whole_group_and_nothing_else()
         sup.stopping = True
         thread.join(30)
     assert result == [0]
+
+
+def start_ranks(model, tmp_path, port: int) -> list[subprocess.Popen]:
+    """The executor stage's two ranks alone (as compose runs them: no launcher); rank 0's
+    scheduler sockets lead nowhere, which an idle executor does not mind."""
+    procs = []
+    for rank in range(2):
+        cmd = [sys.executable, "-m", "services.cli", "stage", "executor", "--model", str(model),
+               "--dtype", "float32", "--quantization", "none", "--num-kv-blocks", "64", "--threads", "1",
+               "--tensor-parallel-size", "2", "--tp-rank", str(rank), "--tp-init-address", f"tcp://127.0.0.1:{port}",
+               "--executor-in", f"ipc://{tmp_path}/in.ipc", "--executor-out", f"ipc://{tmp_path}/out.ipc"]
+        log = open(tmp_path / f"rank{rank}.log", "wb")
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_an_idle_rank_whose_peer_dies_exits(tiny_model_dir, tmp_path, victim):
+    """Without a launcher (compose), a dead rank must still take its group down, so that
+    every rank restarts: rank 0 notices through its keepalive, rank 1 through its wait."""
+    procs = start_ranks(tiny_model_dir, tmp_path, free_port())
+    try:
+        logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
+        wait_for(lambda: re.search(r"executor executor-\d+ ready", logs[0].read_text())
+                 and "rank 1 of 2 ready" in logs[1].read_text(), "both ranks ready", timeout=120)
+        time.sleep(2 * KEEPALIVE_S)  # idle: keepalives only
+        assert all(p.poll() is None for p in procs)
+        procs[victim].kill()
+        survivor = 1 - victim
+        assert procs[survivor].wait(30) == 1, logs[survivor].read_text()
+        assert "exiting so that the group restarts" in logs[survivor].read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
 
 
 # --- serving through the HTTP API ----------------------------------------------------------
