@@ -10,8 +10,10 @@ drawn from --prefixes seeds so that several system prompts interleave (each seed
 own prefix), closed loop at --concurrency, greedy, ignore_eos. For each setup a fresh
 `pagedserve serve` runs the same requests; printed: requests/s (completed requests over
 the run's wall time, after a warm-up on unrelated prompts), the prefix-cache hit rate
-(prompt tokens found cached over prompt tokens looked up, from /metrics; a prompt prefilled
-in the same step as another with its prefix finds nothing cached yet) and how the
+(prompt tokens found cached over prompt tokens looked up, from /metrics once the engines'
+heartbeats have counted the last steps; a prompt prefilled in the same step as another
+with its prefix finds nothing cached yet, which prefix-aware routing avoids by holding
+such a request until the first one's prefill has run) and how the
 requests spread over the engines (loadgen's 1-token probe included). The
 machine's cores are split between the engines' executors (--executor-threads), so on a
 CPU two engines share the cores one engine had: the comparison is of routing, not of
@@ -100,6 +102,20 @@ def wait_engines(url: str, n: int, timeout_s: float = 300.0) -> None:
     raise RuntimeError(f"{n} engines not serving after {timeout_s} s")
 
 
+def settled_metrics(server, timeout_s: float = 30.0) -> dict[str, float]:
+    """/metrics once nothing runs and the prefix-cache counters stopped moving: the figures
+    come from heartbeats (every 0.25 s), so a read right after the last answer misses its steps."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        m = server.metrics()
+        now = (m.get("pagedserve_num_requests_running"), m.get("pagedserve_prefix_cache_queries_total"))
+        if now == last and not now[0] or time.monotonic() > deadline:
+            return m
+        last = now
+        time.sleep(0.6)
+
+
 def measure(name: str, engines: int, routing: str, model, work: list, args, tmp: Path, tokenizer) -> dict:
     threads = max(1, (os.cpu_count() or 2) // engines)
     extra = ["--dtype", args.dtype, "--data-parallel-size", str(engines), "--routing", routing,
@@ -113,11 +129,11 @@ def measure(name: str, engines: int, routing: str, model, work: list, args, tmp:
         warm = workload(WorkloadSpec("random", seed=args.seed + 1000, input_len=args.input_len, output_len=4),
                         tokenizer)
         runner.run(target, warm, runner.LoadConfig(concurrency=4, num_requests=8 * engines, progress=False))
-        before = server.metrics()
+        before = settled_metrics(server)
         config = runner.LoadConfig(concurrency=args.concurrency, num_requests=len(work), seed=args.seed,
                                    progress=False)
         outcome = runner.run(target, iter(work), config, tokenizer=tokenizer)
-        after = server.metrics()
+        after = settled_metrics(server)
     summary = summarize(outcome.results, outcome.duration_s)
     queries = after.get("pagedserve_prefix_cache_queries_total", 0) - before.get("pagedserve_prefix_cache_queries_total", 0)
     hits = after.get("pagedserve_prefix_cache_hits_total", 0) - before.get("pagedserve_prefix_cache_hits_total", 0)
