@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kernels import reference
+from kernels.custom_ops import reference_paged_attention, traced
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ _BACKENDS: dict[str, AttentionBackend] = {
     "torch": AttentionBackend(
         name="torch",
         write_kv_to_cache=reference.write_kv_to_cache,
-        paged_attention=reference.paged_attention,
+        # a custom op while torch.compile traces: its host reads of the lengths would break the graph
+        paged_attention=traced(reference.paged_attention, reference_paged_attention),
         copy_blocks=reference.copy_blocks,
         devices=("cpu", "cuda", "mps", "xpu"),
     ),

@@ -95,6 +95,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "triton", "torch"])
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="no CUDA graphs for decode steps")
+    parser.add_argument("--compile", dest="compile_decode", action="store_true",
+                        help="CPU decode steps through torch.compile (see the executor's --compile)")
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--step-timeout", type=float, default=120.0,
                         help="seconds the executor may take to answer a step before it counts as lost")
@@ -145,6 +147,8 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses,
                  "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if not args.cuda_graphs:
         executor += ["--no-cuda-graphs"]
+    if args.compile_decode:
+        executor += ["--compile"]
     if args.swap_space is not None:
         executor += ["--swap-space", str(args.swap_space)]
     scheduler = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]

@@ -3,6 +3,9 @@
 Registered (preferred on the CPU) only when the extension builds and loads; otherwise
 the executor stays on the torch reference, with the warning `kernels.cpu.build` logs.
 Signatures and results follow `kernels.reference`, the oracle the tests compare with.
+Eager calls go straight to the pybind functions; while torch.compile traces, each op
+calls the same kernel as a dispatcher op (`torch.ops.pagedserve.*`, see
+`kernels.custom_ops`), which dynamo keeps in its graph instead of breaking it.
 """
 
 from __future__ import annotations
@@ -15,42 +18,49 @@ from torch import Tensor
 from kernels import reference
 from kernels.attention import AttentionBackend
 from kernels.cpu.build import load
+from kernels.custom_ops import cpu_ops
 
 
 def make_backend(ext) -> AttentionBackend:
+    ops = cpu_ops(ext)
+    compiling = torch.compiler.is_compiling  # a constant True to dynamo; ~0.1 us eagerly
+
+    def kernels():
+        return ops if compiling() else ext
+
     def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                         query_start_loc: Tensor, context_lens: Tensor, scale: float | None = None,
                         sliding_window: int | None = None) -> Tensor:
         out = torch.empty(query.shape, dtype=query.dtype)
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-        ext.paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                            scale, sliding_window or 0)
+        kernels().paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                                  scale, sliding_window or 0)
         return out
 
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         out = torch.empty_like(x)
-        ext.rms_norm(out, x, weight, eps)
+        kernels().rms_norm(out, x, weight, eps)
         return out
 
     def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         x, residual = x.contiguous(), residual.contiguous()
-        ext.fused_add_rms_norm(x, residual, weight, eps)
+        kernels().fused_add_rms_norm(x, residual, weight, eps)
         return x, residual
 
     def silu_and_mul(x: Tensor) -> Tensor:
         out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
-        ext.silu_and_mul(out, x.contiguous())
+        kernels().silu_and_mul(out, x.contiguous())
         return out
 
     def rope_and_cache(qkv: Tensor, positions: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                        slot_mapping: Tensor, num_heads: int, num_kv_heads: int) -> Tensor:
-        ext.rope_and_cache(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+        kernels().rope_and_cache(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
         head_dim = k_cache.shape[-1]
         return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
 
     def int8_group_linear(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
         out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
-        ext.int8_group_linear(out, x.contiguous(), qweight, scales)
+        kernels().int8_group_linear(out, x.contiguous(), qweight, scales)
         return out
 
     return AttentionBackend(

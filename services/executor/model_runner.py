@@ -10,7 +10,9 @@ output sample under their grammar's token mask (`grammar`), filled during the fo
 
 On CUDA the pool, unless sized explicitly, takes what a profiling pass of the
 largest step leaves of `gpu_memory_utilization` of the GPU (see `gpu_memory`), and
-decode steps replay CUDA graphs when the attention backend allows it.
+decode steps replay CUDA graphs when the attention backend allows it. On the CPU,
+`compile_decode` (`--compile`) runs decode steps through torch.compile instead
+(`compiled_decode`: one graph per bucketed batch size, a scratch block past the pool).
 
 Under tensor parallelism (`tp`, see `tp_group`) every rank holds a runner over its
 shard of the model and its KV heads' share of the pool. The pool's block count is the
@@ -32,6 +34,7 @@ from torch import Tensor
 
 from kernels.attention import get_backend
 from services.executor.batch import BatchMetadata, InvalidStep
+from services.executor.compiled_decode import SCRATCH_BLOCKS, CompiledDecode
 from services.executor.cuda_graphs import DecodeGraphs
 from services.executor.dtype_choice import resolve_dtype, resolve_kv_cache_dtype
 from services.executor.gpu_memory import kv_cache_budget, profile_step
@@ -81,6 +84,7 @@ class ModelRunner:
         int4_max_rows: int | None = None,
         kv_cache_dtype: str = "auto",
         tp: TPGroup | None = None,
+        compile_decode: bool = False,
     ):
         self.tp = tp or TPGroup.single()
         self.device = torch.device(device)
@@ -104,7 +108,7 @@ class ModelRunner:
         self.model_dir = model_dir
         self.grammar: GrammarMasks | None = None  # made on the first constrained request
         self._grammar_threads: ThreadPoolExecutor | None = None
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeGraphs | CompiledDecode | None = None
         shape = (config.num_hidden_layers, block_size, self.model.num_local_kv_heads, head_dim_of(config))
         if num_kv_blocks is None:
             if kv_cache_memory is None and self.device.type == "cuda":
@@ -113,7 +117,12 @@ class ModelRunner:
             memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
             num_kv_blocks = KVCache.blocks_for_memory(memory, *shape, self.kv_dtype)
         num_kv_blocks = self.tp.min_int(num_kv_blocks)  # every rank's pool has the same blocks
-        self.kv_cache = KVCache(shape[0], num_kv_blocks, *shape[1:], self.kv_dtype, self.device)
+        compiled = compile_decode and self.device.type == "cpu" and self.tp.size == 1
+        if compile_decode and not compiled:
+            log.info("--compile is for decode steps on one CPU process; ignored here (CUDA graphs serve CUDA)")
+        # a compiled decode step's padding rows write their K/V past the pool the scheduler knows
+        extra = SCRATCH_BLOCKS if compiled else 0
+        self.kv_cache = KVCache(shape[0], num_kv_blocks + extra, *shape[1:], self.kv_dtype, self.device)
         self.num_kv_blocks: int = num_kv_blocks
         per_block = bytes_per_block(*shape, self.kv_dtype)
         self.swap = SwapSpace(self.kv_cache, self.tp.min_int(swap_space // per_block) * per_block)
@@ -126,6 +135,9 @@ class ModelRunner:
         if step_calibrated:  # under TP a rank cannot time a step alone: the loader timed matmuls instead
             for line in calibrate_runner(self):
                 log.info(line)
+        if compiled:  # after calibration: the compiled graphs specialise on the quantized copies' row limits
+            self.graphs = CompiledDecode(self.model, self.kv_cache.k_caches, self.kv_cache.v_caches, block_size,
+                                         self.max_model_len, max_num_seqs, scratch_block=num_kv_blocks)
         log.info("%s loaded (%s, %s, %s attention); KV pool %d blocks of %d tokens in %s, %.1f MiB%s",
                  model_dir, self.dtype, self.device, self.backend.name, num_kv_blocks, block_size,
                  self.kv_dtype, self.kv_cache.nbytes / 2**20,

@@ -89,6 +89,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="sequences of the largest step (profiling pass, largest CUDA graph)")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="run decode steps eagerly instead of replaying CUDA graphs")
+    parser.add_argument("--compile", dest="compile_decode", action="store_true",
+                        help="on the CPU, run decode steps through torch.compile (inductor), one graph per bucketed "
+                             "batch size compiled on its first step and cached on disk (services.executor."
+                             "compiled_decode); prefill stays eager")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks this executor's model is split over (one process each, started with --tp-rank)")
     parser.add_argument("--tp-rank", type=int, default=0, help="this process's rank in the tensor-parallel group")
@@ -187,7 +191,7 @@ class Executor:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             cuda_graphs=args.cuda_graphs, swap_space=args.swap_space or 0,
             quantization=args.quantization, int4_max_rows=args.int4_max_rows,
-            kv_cache_dtype=args.kv_cache_dtype, tp=group,
+            kv_cache_dtype=args.kv_cache_dtype, tp=group, compile_decode=args.compile_decode,
         )
 
     def execute(self, runner: ModelRunner, step: ExecuteStep) -> StepResult | StepFailed:

@@ -21,3 +21,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &pagedserve::rope_and_cache, "RoPE on q and k in place; k and v into the cache");
   m.def("int8_group_linear", &pagedserve::int8_group_linear, "x @ (scales per group of 32 * int8 weight).T");
 }
+
+// The same kernels as dispatcher ops (torch.ops.pagedserve.*), for torch.compile: each names the
+// arguments it writes (out, or the tensors updated in place), so functionalization keeps their order
+// and inductor calls them in place. Their fake implementations live in kernels/custom_ops.py.
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor context_lens, float scale, int sliding_window) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rope_and_cache(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+        "Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
+  m.def("int8_group_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("paged_attention", &pagedserve::paged_attention);
+  m.impl("rms_norm", &pagedserve::rms_norm);
+  m.impl("fused_add_rms_norm", &pagedserve::fused_add_rms_norm);
+  m.impl("silu_and_mul", &pagedserve::silu_and_mul);
+  m.impl("rope_and_cache", &pagedserve::rope_and_cache);
+  m.impl("int8_group_linear", &pagedserve::int8_group_linear);
+}
