@@ -7,9 +7,11 @@
 // so fused and unfused paths agree to the last bit in float32 and within a rounding
 // step in bfloat16. Rows run in parallel on torch's OpenMP threads.
 #include "common.h"
+#include "vec.h"
 
 #include <omp.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace pagedserve {
@@ -32,6 +34,24 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps, float* b
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) buf[i] = round_through<T>(wbuf[i] * round_through<T>(buf[i] * inv));
   store_row(buf, out, n);
+}
+
+// g[i] = silu(g[i]) * u[i], silu rounded to T first as eager torch rounds it.
+template <typename T>
+void silu_mul_row(float* g, const float* u, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+  if constexpr (!std::is_same_v<T, c10::Half>) {  // float16 rounding has no vector form here
+    using namespace vec;
+    for (; i + kWidth <= n; i += kWidth) {
+      const V x = load(g + i);
+      V s = div(x, add(set1(1.0f), vec::exp(sub(zero(), x))));
+      if constexpr (std::is_same_v<T, c10::BFloat16>) s = round_bf16(s);
+      store(g + i, mul(s, load(u + i)));
+    }
+  }
+#endif
+  for (; i < n; ++i) g[i] = round_through<T>(g[i] / (1.0f + std::exp(-g[i]))) * u[i];
 }
 
 }  // namespace
@@ -96,11 +116,7 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
       for (int64_t r = 0; r < rows; ++r) {
         load_row(xp + r * 2 * inter, g.data(), inter);
         load_row(xp + r * 2 * inter + inter, u.data(), inter);
-#pragma omp simd
-        for (int64_t i = 0; i < inter; ++i) {
-          const float s = round_through<scalar_t>(g[i] / (1.0f + std::exp(-g[i])));
-          g[i] = s * u[i];
-        }
+        silu_mul_row<scalar_t>(g.data(), u.data(), inter);
         store_row(g.data(), op + r * inter, inter);
       }
     }
