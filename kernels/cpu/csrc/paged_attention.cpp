@@ -161,9 +161,38 @@ void run_item_portable(const WorkItem& w, Scratch& s, const T* query, int64_t q_
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+// One online-softmax update of row r (as softmax_update), with the exponentials kWidth lanes at a
+// time: sc[0..block_size) becomes probabilities, 0 outside lo..hi.
+inline void softmax_update_simd(Scratch& s, int64_t r, float* sc, int64_t lo, int64_t hi, int64_t block_size,
+                                int64_t D) {
+  using namespace vec;
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int64_t j = lo; j <= hi; ++j) block_max = std::max(block_max, sc[j]);
+  const float m_new = std::max(s.m[r], block_max);
+  if (s.m[r] != m_new) {
+    const float correction = s.m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_approx(s.m[r] - m_new);
+    s.l[r] *= correction;
+    float* acc = &s.acc[r * D];
+    const V cv = set1(correction);
+    for (int64_t d = 0; d < D; d += kWidth) store(acc + d, mul(load(acc + d), cv));
+    s.m[r] = m_new;
+  }
+  // lanes outside lo..hi may hold anything finite or not: exp clamps its input, and they are zeroed below
+  const V mv = set1(m_new);
+  int64_t j = 0;
+  for (; j + kWidth <= block_size; j += kWidth) store(sc + j, vec::exp(sub(load(sc + j), mv)));
+  for (; j < block_size; ++j) sc[j] = exp_approx(sc[j] - m_new);
+  std::fill(sc, sc + lo, 0.0f);
+  std::fill(sc + hi + 1, sc + block_size, 0.0f);
+  float sum = 0.0f;
+  for (int64_t k = lo; k <= hi; ++k) sum += sc[k];
+  s.l[r] += sum;
+}
+
 // The same computation with K/V rows read straight from the cache into vector registers
 // (widened from bfloat16/float16 on load): each key row is loaded once and dotted with
-// every query row of the item, each value row once and added into every row's output.
+// every query row of the item; each block's values are widened once into scratch, then
+// every row adds its probabilities times them into an output kept in registers.
 template <typename T, typename C>
 void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_stride, int64_t q_head_stride,
                    const C* k_cache, const C* v_cache, T* out, int64_t o_tok_stride, int64_t o_head_stride,
@@ -183,6 +212,7 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
   const int64_t token_stride = num_kv_heads * D;
   const int64_t* table = tables + w.seq * table_stride;
   float* sc = s.scores.data();  // [rows][BS]: scores, then probabilities
+  float* vb = s.v.data();       // [BS][D]: the block's values in float32
   V kv[kMaxChunks];
   for (int64_t b = lowest_pos / BS; b <= last_pos / BS; ++b) {
     const int64_t block_start = b * BS;
@@ -214,25 +244,23 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
         sc[r * BS + j] = reduce_add(acc);
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t lo = j_lo(r), hi = j_hi(r);
-      float* row = sc + r * BS;
-      if (lo > hi) {
-        std::fill_n(row, BS, 0.0f);
-        continue;
-      }
-      softmax_update(s, r, row, lo, hi, BS, D);
-    }
     for (int64_t j = 0; j < n_tok; ++j) {
       const C* vr = v_cache + base + j * token_stride;
-      for (int64_t c = 0; c < chunks; ++c) kv[c] = load(vr + c * kWidth);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float p = sc[r * BS + j];
-        if (p == 0.0f) continue;
-        float* acc = &s.acc[r * D];
-        const V pv = set1(p);
-        for (int64_t c = 0; c < chunks; ++c) store(acc + c * kWidth, fmadd(pv, kv[c], load(acc + c * kWidth)));
+      for (int64_t c = 0; c < chunks; ++c) store(vb + j * D + c * kWidth, load(vr + c * kWidth));
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t lo = j_lo(r), hi = j_hi(r);
+      if (lo > hi) continue;  // nothing visible here: the row's state stands
+      float* row = sc + r * BS;
+      softmax_update_simd(s, r, row, lo, hi, BS, D);
+      float* acc_r = &s.acc[r * D];
+      for (int64_t c = 0; c < chunks; ++c) kv[c] = load(acc_r + c * kWidth);
+      for (int64_t j = lo; j <= hi; ++j) {
+        const V pv = set1(row[j]);
+        const float* vj = vb + j * D;
+        for (int64_t c = 0; c < chunks; ++c) kv[c] = fmadd(pv, load(vj + c * kWidth), kv[c]);
       }
+      for (int64_t c = 0; c < chunks; ++c) store(acc_r + c * kWidth, kv[c]);
     }
   }
   store_rows(w, s, out, o_tok_stride, o_head_stride, qsl, group, D);
