@@ -13,14 +13,19 @@ inductor's cache holds them). The custom ops' fake implementations are checked b
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kernels.cpu.build import load
+from services import launcher
+from services.executor import service
 from services.executor.compiled_decode import CompiledDecode
 from services.executor.model_runner import ModelRunner
+from shared.config import Addresses
 from shared.messages import ExecuteStep, ScheduledSeq, SeqSampling
 
 GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
@@ -124,3 +129,16 @@ def test_cpu_kernel_ops_fake_implementations():
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_the_launcher_passes_compile_to_the_executor_and_it_stays_off_by_default():
+    def executor_args(argv: list[str]) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        launcher.add_args(parser)
+        cmd = launcher.stage_commands(parser.parse_args(argv), Addresses.ipc("/tmp/run"))["executor"]
+        executor = argparse.ArgumentParser()
+        service.add_args(executor)
+        return executor.parse_args(cmd[cmd.index("executor") + 1 :])
+
+    assert executor_args(["--compile"]).compile_decode
+    assert not executor_args([]).compile_decode
