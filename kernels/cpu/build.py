@@ -5,6 +5,8 @@ CPU's own instruction set (-march=native) into the pagedserve cache, named by a 
 of the sources, the torch version and the CPU's ISA flags, so a cache carried to a
 different machine rebuilds instead of dying on an illegal instruction. A failed build
 logs a warning and returns None: callers fall back to the torch reference.
+`PAGEDSERVE_CPU_MARCH` (e.g. `haswell`) builds for an older instruction set than this
+CPU's, which is how tests exercise the AVX2 paths on an AVX-512 machine.
 
     python -m kernels.cpu.build     # what `make install` runs: build now, print where
 """
@@ -27,6 +29,11 @@ CSRC = Path(__file__).parent / "csrc"
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
              "amx_bf16", "amx_tile", "avx_vnni", "asimd", "sve", "bf16")
 DISABLE_ENV = "PAGEDSERVE_DISABLE_CPU_KERNELS"
+MARCH_ENV = "PAGEDSERVE_CPU_MARCH"
+
+
+def march() -> str:
+    return os.environ.get(MARCH_ENV) or "native"
 
 
 def cpu_flags() -> set[str]:
@@ -46,6 +53,7 @@ def extension_name() -> str:
         h.update(src.name.encode() + src.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(sorted(cpu_flags() & set(ISA_FLAGS))).encode())
+    h.update(march().encode())
     return f"pagedserve_cpu_{h.hexdigest()[:12]}"
 
 
@@ -67,7 +75,7 @@ def load() -> ModuleType | None:
         name = extension_name()
         directory = build_dir() / name
         directory.mkdir(parents=True, exist_ok=True)
-        flags = ["-O3", "-fopenmp", "-march=native"]
+        flags = ["-O3", "-fopenmp", f"-march={march()}"]
         return cpp_extension.load(
             name=name,
             sources=sorted(str(p) for p in CSRC.glob("*.cpp")),
