@@ -10,6 +10,7 @@ time per bucket, and the largest logits difference between the two ways on one s
 
     python -m benchmarks.compile_decode [--model smollm2] [--batches 1 16 64] [--steps 20]
     python -m benchmarks.compile_decode --overhead   # + the per-call cost of the custom-op dispatch
+    python -m benchmarks.compile_decode --all-buckets  # + the start-up cost of compiling every bucket
     python -m benchmarks.compile_decode --dynamic    # one graph with a symbolic batch size instead
     python -m benchmarks.compile_decode --cpp-wrapper  # inductor's C++ wrapper instead of its Python one
 
@@ -117,6 +118,8 @@ def main(argv=None) -> int:
     p.add_argument("--overhead", action="store_true", help="also time the custom-op dispatch per call")
     p.add_argument("--cpp-wrapper", action="store_true",
                    help="inductor's C++ wrapper (no Python between the graph's kernels; compiles longer)")
+    p.add_argument("--all-buckets", action="store_true",
+                   help="first compile every bucket up to the largest batch, as a start-up compile would")
     p.add_argument("--dynamic", action="store_true",
                    help="one graph with a symbolic batch size for every bucket instead of one graph per bucket")
     args = p.parse_args(argv)
@@ -137,6 +140,11 @@ def main(argv=None) -> int:
                                        options={"cpp_wrapper": True} if args.cpp_wrapper else None)
     print(f"runner loaded in {time.perf_counter() - start:.1f} s: {runner.dtype}, {runner.backend.name} attention, "
           f"{torch.get_num_threads()} threads, buckets {runner.graphs.sizes}", flush=True)
+    if args.all_buckets:
+        start = time.perf_counter()
+        records = runner.graphs.compile_all()
+        print(f"compiled {len(records)} buckets in {time.perf_counter() - start:.1f} s: "
+              + ", ".join(f"{r.size}: {r.seconds:.1f} s ({'hit' if r.cache_hit else 'miss'})" for r in records))
     rows = [compare(runner, b, args.context, args.steps) for b in args.batches]
     print(f"\n{'batch':>5} {'bucket':>6} {'eager ms':>9} {'compiled ms':>11} {'speedup':>7} {'compile s':>9} "
           f"{'logits max |diff|':>17} cache")

@@ -11,7 +11,10 @@ are inductor's, e.g. {"cpp_wrapper": True}, also left to the benchmark to judge)
 padding rows past n must not touch any sequence's KV: they write their K/V into a scratch
 block just past the pool the scheduler knows (the runner allocates it: `SCRATCH_BLOCKS`)
 and attend over that one token; their logits are never read. The block table is as wide
-as the longest context allowed; the kernels read only a row's own context of it.
+as the longest context allowed; the kernels read only a row's own context of it. The
+quantized copies' row limits (`--quantization`) are compared with the bucket, not n: the
+same choice as eager wherever the limit is itself a bucket size (the calibrated ones are);
+an `--int4-max-rows` between two buckets sends the padded steps above it to dense weights.
 
 The kernels stay whole nodes of the graph (`kernels.custom_ops`); inductor fuses what lies
 between them. A bucket is compiled on its first step (lazily: a bucket never used costs
@@ -138,10 +141,11 @@ class CompiledDecode:
 
     def compile_all(self) -> list[CompileRecord]:
         """Compile every bucket now (each on a step of padding rows only); returns their records."""
-        for size in self.sizes:
-            if size not in self.compiled and size not in self.failed:
-                self._set_padding(0, size)
-                self._run(size)
+        with torch.inference_mode():  # as `replay` runs: grad mode is part of the graphs' guards
+            for size in self.sizes:
+                if size not in self.compiled and size not in self.failed:
+                    self._set_padding(0, size)
+                    self._run(size)
         return [self.compiled[s] for s in self.sizes if s in self.compiled]
 
     def _set_padding(self, start: int, end: int) -> None:
