@@ -182,3 +182,46 @@ def int8_group_linear(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
     group = qweight.shape[1] // scales.shape[1]
     w = qweight.float() * scales.repeat_interleave(group, dim=1)
     return (x.float() @ w.t()).to(x.dtype)
+
+
+def q4_pack(codes: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_1 codes [N, K] (0..15) with scale and min [N, K/32] in the CPU kernel's layout:
+    (packed uint8 [N*K/2], d [N/16, K/32, 16], m [N/16, K/32, 16]); N a multiple of 16.
+    Lane l of block b is output row 16b + l; within a group, byte j of chunk h holds input
+    h*4 + j (low nibble) and (h+4)*4 + j (high nibble)."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n // 16, 16, k // 32, 2, 4, 4)  # block, lane, group, nibble, h, byte
+    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # block, group, h, lane, byte
+    d = scale.float().view(n // 16, 16, k // 32).transpose(1, 2)
+    m = low.float().view(n // 16, 16, k // 32).transpose(1, 2)
+    return packed.contiguous().view(-1), d.contiguous(), m.contiguous()
+
+
+def q4_unpack(packed: Tensor, n: int, k: int) -> Tensor:
+    """The codes [N, K] that `q4_pack` packed."""
+    p = packed.view(n // 16, k // 32, 4, 16, 4).permute(0, 3, 1, 2, 4)  # block, lane, group, h, byte
+    return torch.stack([p & 0x0F, p >> 4], dim=3).reshape(n, k)
+
+
+def quantize_rows_q8(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """x [M, K] per group of 32 as (int8 codes [M, K] as float, dx [M, K/32], dx * sum of codes [M, K/32])."""
+    g = x.float().view(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(g * inv)
+    dx = (amax / 127.0).squeeze(-1)
+    return codes.view_as(x), dx, dx * codes.sum(-1)
+
+
+def q4_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor) -> Tensor:
+    """x @ w.T in x's dtype for the packed Q4_1 weight w = d * c + m, with x quantized to int8 per
+    group of 32 first (the CPU kernel's arithmetic: integer dot products per group, scaled once)."""
+    blocks, groups, lanes = d.shape
+    n, k = blocks * lanes, groups * 32
+    c = q4_unpack(packed, n, k).double().view(n, groups, 32)
+    cx, dx, sx = quantize_rows_q8(x)
+    dots = torch.einsum("ngk,mgk->mng", c, cx.double().view(x.shape[0], groups, 32))
+    dn = d.double().transpose(1, 2).reshape(n, groups)
+    mn_ = mn.double().transpose(1, 2).reshape(n, groups)
+    y = (dots * dn[None] * dx.double()[:, None]).sum(-1) + (mn_[None] * sx.double()[:, None]).sum(-1)
+    return y.float().to(x.dtype)

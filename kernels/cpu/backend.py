@@ -63,6 +63,11 @@ def make_backend(ext) -> AttentionBackend:
         kernels().int8_group_linear(out, x.contiguous(), qweight, scales)
         return out
 
+    def q4_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor) -> Tensor:
+        out = torch.empty(x.shape[0], d.shape[0] * d.shape[2], dtype=torch.float32)
+        kernels().q4_linear(out, x.contiguous(), packed, d, mn)
+        return out.to(x.dtype)
+
     return AttentionBackend(
         name="cpu",
         write_kv_to_cache=reference.write_kv_to_cache,
@@ -74,6 +79,7 @@ def make_backend(ext) -> AttentionBackend:
         silu_and_mul=silu_and_mul,
         rope_and_cache=rope_and_cache,
         int8_group_linear=int8_group_linear,
+        q4_linear=q4_linear,
     )
 
 

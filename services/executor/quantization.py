@@ -7,8 +7,12 @@ dense weight and a quantized copy, and each call picks by its number of rows
 (`max_rows`, measured once at load by `calibrate`: the crossover is the machine's).
 
 - Decoder projections: int4, asymmetric, groups of 32, min/max per group: exactly
-  GGUF's Q4_1, run by torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations;
-  the per-group scale and zero are rounded to bfloat16, which the kernel takes).
+  GGUF's Q4_1. With the C++ backend they run by its `q4_linear` (`Q4Weight`: float32
+  scale and min, the input rows quantized to int8 per group of 32 as llama.cpp does,
+  integer dot products; its time hardly grows with the rows, where torch's kernel
+  unpacks the weights again for every row). Without it, by torch's
+  `_weight_int4pack_mm_for_cpu` (`Int4Weight`: bfloat16 activations; the per-group
+  scale and zero rounded to bfloat16, which that kernel takes).
 - The output head (the tied embedding, 49152 x 576 in SmolLM2): int8 with a float32
   scale per group of 32, GGUF's Q8_0, run by the C++ backend's `int8_group_linear`.
 
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from kernels import reference
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,30 @@ class Int4Weight:
     def matmul(self, x: Tensor) -> Tensor:
         y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_zeros)
         return y.to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+@dataclass
+class Q4Weight:
+    """Q4_1 weight [out, in] in the C++ kernel's packed layout (kernels.reference.q4_pack): w = d * code + m
+    per group of 32, d and m float32. `op` is the backend's `q4_linear`."""
+
+    packed: Tensor
+    d: Tensor
+    m: Tensor
+    out_features: int
+    op: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+    max_rows: int = 0
+
+    def matmul(self, x: Tensor) -> Tensor:
+        return self.op(x, self.packed, self.d, self.m)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.d.nbytes + self.m.nbytes
 
 
 @dataclass
@@ -121,6 +151,14 @@ def quantize_int4(weight: Tensor) -> Int4Weight:
     return Int4Weight(packed, scales_zeros.to(torch.bfloat16).contiguous(), out_features)
 
 
+def quantize_q4(weight: Tensor, op: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Q4Weight:
+    """The weight's Q4_1 blocks (float32 scale and min: a Q4_1-valued tensor round-trips exactly)
+    in the C++ kernel's layout."""
+    codes, scale, low = q4_1_codes(weight)
+    packed, d, m = reference.q4_pack(codes.view(weight.shape), scale.squeeze(-1), low.squeeze(-1))
+    return Q4Weight(packed, d, m, weight.shape[0], op)
+
+
 def dequantize(w: Int4Weight, codes: Tensor) -> Tensor:
     """The float32 weight an int4 copy stands for, given its codes (for tests and error reports)."""
     scale, zero = w.scales_zeros.float().unbind(-1)  # [in/32, out] each
@@ -186,14 +224,20 @@ def calibrate(layers: list[tuple[Tensor, Int4Weight | Int8Weight]], dtype: torch
     return best
 
 
-def int4_copies(model, mode: str, device: torch.device | str) -> tuple[list[Int4Weight] | None, str]:
-    """Int4 copies of the model's decoder linears if `mode` says so, else (None, why not).
+def int4_copies(model, mode: str, device: torch.device | str) -> tuple[list[Int4Weight | Q4Weight] | None, str]:
+    """Int4 copies of the model's decoder linears if `mode` says so, else (None, why not): the C++
+    backend's Q4Weight where it offers `q4_linear`, else torch's Int4Weight.
 
     Call it on the model loaded in float32, before any cast: a cast to bfloat16 moves a
     4-bit checkpoint's values off their grid."""
     weights = [m.weight.data for m in model.decoder_linears()]
     chosen, why = resolve_mode(mode, weights, device)
-    return ([quantize_int4(w) for w in weights] if chosen else None), why
+    if not chosen:
+        return None, why
+    op = model.backend.q4_linear
+    if op is not None:
+        return [quantize_q4(w, op) for w in weights], why + "; run by the C++ q4_linear kernel"
+    return [quantize_int4(w) for w in weights], why + "; run by torch's int4 kernel"
 
 
 def attach_int4(model, copies: list[Int4Weight], dtype: torch.dtype, max_rows: int | None = None) -> str:
@@ -208,7 +252,7 @@ def attach_int4(model, copies: list[Int4Weight], dtype: torch.dtype, max_rows: i
     for module, copy in zip(linears, copies, strict=True):
         copy.max_rows = max_rows
         module.int4 = copy
-    mib = sum(c.packed.nbytes + c.scales_zeros.nbytes for c in copies) / 2**20
+    mib = sum(c.nbytes for c in copies) / 2**20
     return f"int4 copies of {len(copies)} linears ({mib:.0f} MiB) serve steps of at most {max_rows} tokens"
 
 

@@ -150,6 +150,51 @@ def test_int8_group_linear_rejects_bad_shapes():
         ext.int8_group_linear(out, torch.randn(1, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 3))
 
 
+def q4_weight(n: int, k: int, seed: int):
+    """Random Q4_1 blocks: codes 0..15 [n, k], scale and min [n, k / 32]."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    return codes, torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4, -torch.rand(n, k // 32, generator=g) * 0.1
+
+
+def test_q4_pack_round_trips():
+    codes, scale, low = q4_weight(48, 96, 0)
+    packed, d, m = reference.q4_pack(codes, scale, low)
+    assert packed.dtype == torch.uint8 and packed.numel() == 48 * 96 // 2 and d.shape == (3, 3, 16)
+    assert torch.equal(reference.q4_unpack(packed, 48, 96), codes.to(torch.uint8))
+    assert torch.equal(d.transpose(1, 2).reshape(48, 3), scale) and torch.equal(m.transpose(1, 2).reshape(48, 3), low)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 576), (64, 1536)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_q4_linear_matches_reference(dtype, rows, shape):
+    n, k = shape
+    codes, scale, low = q4_weight(n, k, rows)
+    packed, d, m = reference.q4_pack(codes, scale, low)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).to(dtype)
+    if k > 32:
+        x[0, :32] = 0  # a group of zeros quantizes to scale 0
+    out = cpu.q4_linear(x, packed, d, m)
+    ref = reference.q4_linear(x, packed, d, m)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    # the reference sums in float64: the kernel's float32 sums of k / 32 group terms differ by rounding
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol * float(ref.float().abs().max()))
+    # and the reference is x @ w.T up to quantizing x to int8 per group of 32 (about 0.5% of its norm)
+    w = codes.float() * scale.repeat_interleave(32, dim=1) + low.repeat_interleave(32, dim=1)
+    dense = x.float() @ w.t()
+    assert float((ref.float() - dense).norm() / dense.norm()) < 0.02
+
+
+def test_q4_linear_rejects_bad_shapes():
+    packed, d, m = reference.q4_pack(*q4_weight(16, 64, 0))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ext.q4_linear(torch.empty(1, 16), torch.randn(1, 40), packed, d, m)
+    with pytest.raises(RuntimeError, match="packed"):
+        ext.q4_linear(torch.empty(1, 16), torch.randn(1, 64), packed[:-1], d, m)
+
+
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
                                     (torch.float32, torch.float16)], ids=lambda d: f"{param_id(d[0])}-{param_id(d[1])}")
 def test_paged_attention_reads_a_cache_in_another_dtype(dtypes):

@@ -11,6 +11,8 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 void rope_and_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads);
 void int8_group_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales);
+void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+               const at::Tensor& mn);
 }  // namespace pagedserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -20,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &pagedserve::silu_and_mul, "out = silu(gate) * up");
   m.def("rope_and_cache", &pagedserve::rope_and_cache, "RoPE on q and k in place; k and v into the cache");
   m.def("int8_group_linear", &pagedserve::int8_group_linear, "x @ (scales per group of 32 * int8 weight).T");
+  m.def("q4_linear", &pagedserve::q4_linear, "x @ w.T for a packed Q4_1 weight, rows quantized to int8 per group");
 }
 
 // The same kernels as dispatcher ops (torch.ops.pagedserve.*), for torch.compile: each names the
@@ -34,6 +37,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("rope_and_cache(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
   m.def("int8_group_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales) -> ()");
+  m.def("q4_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor d, Tensor mn) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
@@ -43,4 +47,5 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("silu_and_mul", &pagedserve::silu_and_mul);
   m.impl("rope_and_cache", &pagedserve::rope_and_cache);
   m.impl("int8_group_linear", &pagedserve::int8_group_linear);
+  m.impl("q4_linear", &pagedserve::q4_linear);
 }

@@ -31,7 +31,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from kernels.attention import AttentionBackend
 from services.executor.batch import BatchMetadata
 from services.executor.models.sharding import ModelShard
-from services.executor.quantization import Int4Weight, Int8Weight
+from services.executor.quantization import Int4Weight, Int8Weight, Q4Weight
 from services.executor.tp_group import TPGroup
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -49,7 +49,7 @@ def num_kv_heads_of(config) -> int:
 class Linear(nn.Linear):
     """A dense linear that may also hold an int4 copy of its weight, used for calls of few rows."""
 
-    int4: Int4Weight | None = None
+    int4: Int4Weight | Q4Weight | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         q = self.int4

@@ -1,0 +1,181 @@
+// Weight-only 4-bit linear (GGUF's Q4_1: w[n, k] = d[n, g] * c[n, k] + m[n, g], codes 0..15, one
+// (d, m) per group g of 32 inputs) whose every weight is unpacked once per call, whatever the
+// number of input rows.
+//
+// torch's `_weight_int4pack_mm_for_cpu` unpacks the weights again for each row, so its time grows
+// with the rows (on one host 5.6 ms per row for SmolLM2's decoder); a step of a few tokens should
+// cost what reading 4-bit weights costs. Here the input rows are quantized per group of 32 to
+// int8 (x ~ dx * cx, as llama.cpp's Q8 activations), and each group's dot product is an integer
+// one: sum_k c[n, k] * cx[k], u8 x s8, 4 products per 32-bit lane (AVX-512 VNNI `dpbusd`, or
+// AVX2 `maddubs`), scaled once per group:
+//     y[n] = sum_g d[n, g] * dx[g] * (c . cx)[n, g] + m[n, g] * dx[g] * sum(cx over g).
+// Weights are packed 16 output rows at a time so that one 32-bit lane holds 4 inputs of one row:
+// packed[block][g][h][lane][byte], h = 0..3, with the low nibble the code of input
+// g*32 + h*4 + byte and the high nibble that of input g*32 + (h+4)*4 + byte; d and m as
+// [block][g][lane] float32. `kernels/reference.py` has the same computation in plain torch.
+#include "common.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace pagedserve {
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kLanes = 16;   // output rows per packed block
+constexpr int64_t kRowTile = 8;  // input rows whose accumulators stay in registers together
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// x [M, K] -> int8 codes [M, K], dx [M, G] and dx * sum of codes [M, G], per group of 32.
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* cx, float* dx, float* sx) {
+  const int64_t G = K / kGroup;
+  for (int64_t r = 0; r < M; ++r) {
+    float buf[kGroup];
+    for (int64_t g = 0; g < G; ++g) {
+      load_row(x + r * K + g * kGroup, buf, kGroup);
+      float amax = 0.0f;
+      for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(buf[k]));
+      const float d = amax / 127.0f;
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      int8_t* c = cx + r * K + g * kGroup;
+      for (int64_t k = 0; k < kGroup; ++k) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(buf[k] * inv));
+        c[k] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      dx[r * G + g] = d;
+      sx[r * G + g] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+// acc[i] (16 output rows of input row m0 + i) for one packed block, all groups.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t* cx, const float* dx,
+                const float* sx, int64_t rows, int64_t K, int64_t G, float* out, int64_t ldo) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[kRowTile];
+  for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = wp + g * 4 * 64;
+    __m512i w[8];
+    for (int h = 0; h < 4; ++h) {
+      const __m512i v = _mm512_loadu_si512(wg + h * 64);
+      w[h] = _mm512_and_si512(v, low4);
+      w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    const __m512 dv = _mm512_loadu_ps(d + g * kLanes), mv = _mm512_loadu_ps(mn + g * kLanes);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int8_t* xg = cx + i * K + g * kGroup;
+      __m512i s = _mm512_setzero_si512();
+      for (int h = 0; h < 8; ++h) s = _mm512_dpbusd_epi32(s, w[h], _mm512_set1_epi32(load_i32(xg + h * 4)));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(dx[i * G + g])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[i * G + g]), acc[i]);
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t* cx, const float* dx,
+                const float* sx, int64_t rows, int64_t K, int64_t G, float* out, int64_t ldo) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {  // lanes 0-7, then 8-15 of the 16-row block
+    __m256 acc[kRowTile];
+    for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wg = wp + g * 4 * 64 + half * 32;
+      __m256i w[8];
+      for (int h = 0; h < 4; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + h * 64));
+        w[h] = _mm256_and_si256(v, low4);
+        w[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      }
+      const __m256 dv = _mm256_loadu_ps(d + g * kLanes + half * 8);
+      const __m256 mv = _mm256_loadu_ps(mn + g * kLanes + half * 8);
+      for (int64_t i = 0; i < rows; ++i) {
+        const int8_t* xg = cx + i * K + g * kGroup;
+        // each maddubs pair sum is at most 2 * 15 * 127: eight of them still fit in int16
+        __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load_i32(xg)));
+        for (int h = 1; h < 8; ++h)
+          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[h], _mm256_set1_epi32(load_i32(xg + h * 4))));
+        const __m256i s = _mm256_madd_epi16(s16, ones);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * G + g])), acc[i]);
+        acc[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[i * G + g]), acc[i]);
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) _mm256_storeu_ps(out + i * ldo + half * 8, acc[i]);
+  }
+}
+#else
+void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t* cx, const float* dx,
+                const float* sx, int64_t rows, int64_t K, int64_t G, float* out, int64_t ldo) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float acc[kLanes] = {};
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wg = wp + g * 4 * 64;
+      const int8_t* xg = cx + i * K + g * kGroup;
+      for (int64_t lane = 0; lane < kLanes; ++lane) {
+        int32_t s = 0;
+        for (int h = 0; h < 4; ++h)
+          for (int b = 0; b < 4; ++b) {
+            const uint8_t byte = wg[h * 64 + lane * 4 + b];
+            s += (byte & 0x0F) * xg[h * 4 + b] + (byte >> 4) * xg[(h + 4) * 4 + b];
+          }
+        acc[lane] += static_cast<float>(s) * (d[g * kLanes + lane] * dx[i * G + g]) + mn[g * kLanes + lane] * sx[i * G + g];
+      }
+    }
+    std::memcpy(out + i * ldo, acc, sizeof(acc));
+  }
+}
+#endif
+
+}  // namespace
+
+// out [M, N] (float32) = x [M, K] @ w.T for the packed Q4_1 weight w [N, K], N a multiple of 16.
+void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+               const at::Tensor& mn) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "q4_linear: x must be [M, K], contiguous");
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0, "q4_linear: K must be a multiple of ", kGroup);
+  TORCH_CHECK(d.dim() == 3 && d.size(1) == G && d.size(2) == kLanes && d.scalar_type() == at::kFloat &&
+                  d.is_contiguous() && mn.sizes() == d.sizes() && mn.scalar_type() == at::kFloat && mn.is_contiguous(),
+              "q4_linear: d and m must be float32 [N / 16, K / 32, 16], contiguous");
+  const int64_t blocks = d.size(0), N = blocks * kLanes;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == N * K / 2,
+              "q4_linear: packed must be uint8 with N * K / 2 bytes, contiguous");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+                  out.is_contiguous(),
+              "q4_linear: out must be float32 [M, N], contiguous");
+  std::vector<int8_t> cx(M * K);
+  std::vector<float> dx(M * G), sx(M * G);
+  dispatch_float_types(x.scalar_type(), "q4_linear", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    quantize_rows(x.data_ptr<scalar_t>(), M, K, cx.data(), dx.data(), sx.data());
+  });
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = mn.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks / 4)));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+      const int64_t rows = std::min(kRowTile, M - m0);
+      block_rows(wp + b * G * 4 * 64, dp + b * G * kLanes, mp + b * G * kLanes, cx.data() + m0 * K,
+                 dx.data() + m0 * G, sx.data() + m0 * G, rows, K, G, op + m0 * N + b * kLanes, N);
+    }
+  }
+}
+
+}  // namespace pagedserve
