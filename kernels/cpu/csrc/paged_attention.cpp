@@ -52,10 +52,9 @@ void init_rows(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_stri
   }
 }
 
-// One online-softmax update of row r by a block's scores sc[lo..hi]: rescales its running sum
-// and output to the new maximum, and turns sc[0..block_size) into probabilities (0 outside lo..hi).
-inline void softmax_update(Scratch& s, int64_t r, float* sc, int64_t lo, int64_t hi, int64_t block_size,
-                           int64_t D) {
+// Row r's running maximum raised to cover a block's scores sc[lo..hi], its running sum and output
+// rescaled to it; returns the new maximum.
+inline float raise_max(Scratch& s, int64_t r, const float* sc, int64_t lo, int64_t hi, int64_t D) {
   float block_max = -std::numeric_limits<float>::infinity();
   for (int64_t j = lo; j <= hi; ++j) block_max = std::max(block_max, sc[j]);
   const float m_new = std::max(s.m[r], block_max);
@@ -67,6 +66,14 @@ inline void softmax_update(Scratch& s, int64_t r, float* sc, int64_t lo, int64_t
     for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
     s.m[r] = m_new;
   }
+  return m_new;
+}
+
+// One online-softmax update of row r by a block's scores sc[lo..hi]: rescales its running sum
+// and output to the new maximum, and turns sc[0..block_size) into probabilities (0 outside lo..hi).
+inline void softmax_update(Scratch& s, int64_t r, float* sc, int64_t lo, int64_t hi, int64_t block_size,
+                           int64_t D) {
+  const float m_new = raise_max(s, r, sc, lo, hi, D);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < block_size; ++j) {
@@ -166,17 +173,7 @@ void run_item_portable(const WorkItem& w, Scratch& s, const T* query, int64_t q_
 inline void softmax_update_simd(Scratch& s, int64_t r, float* sc, int64_t lo, int64_t hi, int64_t block_size,
                                 int64_t D) {
   using namespace vec;
-  float block_max = -std::numeric_limits<float>::infinity();
-  for (int64_t j = lo; j <= hi; ++j) block_max = std::max(block_max, sc[j]);
-  const float m_new = std::max(s.m[r], block_max);
-  if (s.m[r] != m_new) {
-    const float correction = s.m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_approx(s.m[r] - m_new);
-    s.l[r] *= correction;
-    float* acc = &s.acc[r * D];
-    const V cv = set1(correction);
-    for (int64_t d = 0; d < D; d += kWidth) store(acc + d, mul(load(acc + d), cv));
-    s.m[r] = m_new;
-  }
+  const float m_new = raise_max(s, r, sc, lo, hi, D);
   // lanes outside lo..hi may hold anything finite or not: exp clamps its input, and they are zeroed below
   const V mv = set1(m_new);
   int64_t j = 0;
