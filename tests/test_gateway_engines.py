@@ -96,3 +96,20 @@ def test_one_engine_alone_keeps_the_single_scheduler_rules():
     assert dog.missing_stage == "scheduler" and calls["lost"] == []  # waits for it...
     tick(dog, clock, 20.0, [everyone(("engine-0",))[0]])
     assert len(calls["failed"]) == 1  # ...and gives up once
+
+
+def test_the_replicas_are_told_at_once_when_an_engine_starts_or_stops_serving():
+    dog, clock, calls, publisher = make()
+    for b in everyone(engines=("engine-0",)) + [beat("scheduler", "engine-1", "A-engine-1"),
+                                                beat("executor", "engine-1", "X-engine-1", state="loading")]:
+        dog.record(b)
+        publisher.publish_if_changed()
+    assert [[x.engine for x in p.engines] for p in calls["published"]] == [["engine-0"]]
+    publisher.publish_if_changed()
+    assert len(calls["published"]) == 1  # nothing changed: nothing sent
+    dog.record(beat("executor", "engine-1", "X-engine-1"))  # engine-1 ready: serving
+    publisher.publish_if_changed()
+    assert [x.engine for x in calls["published"][-1].engines] == ["engine-0", "engine-1"]
+    tick(dog, clock, 3.5, [b for b in everyone() if b.engine != "engine-0"])
+    publisher.publish_if_changed()
+    assert [x.engine for x in calls["published"][-1].engines] == ["engine-1"]

@@ -1,8 +1,9 @@
 """Data parallelism in the gateway: what it tells the tokenizer replicas and /health of the engines.
 
 The watchdog tracks each engine (its scheduler and executor, by the engine named in their
-heartbeats). Several times a second, and at once before an engine's requests are sent
-again, every live tokenizer replica gets EngineLoads: the engines serving now with their
+heartbeats). Several times a second, at once when the set of serving engines changes (so
+no request is routed by a stale set after /health shows the change), and at once before an
+engine's requests are sent again, every live tokenizer replica gets EngineLoads: the engines serving now with their
 running and waiting requests and KV usage (from their schedulers' heartbeats), which their
 EngineRouters route by. With a single engine nothing is sent: there is nothing to choose.
 """
@@ -37,10 +38,18 @@ class EnginePublisher:
     def __init__(self, watchdog: StageWatchdog | None, broadcast: Callable[[EngineLoads], object]):
         self.watchdog = watchdog  # set once made: the watchdog's callbacks come from here
         self._broadcast = broadcast
+        self._serving: list[str] = []  # the engines serving at the latest publish
 
     def publish(self) -> None:
         if self.watchdog is not None and len(self.watchdog.engines) > 1:
-            self._broadcast(engine_loads(self.watchdog))
+            loads = engine_loads(self.watchdog)
+            self._serving = [e.engine for e in loads.engines]
+            self._broadcast(loads)
+
+    def publish_if_changed(self) -> None:
+        """Publish now if an engine started or stopped serving since the latest publish."""
+        if self.watchdog is not None and list(self.watchdog.serving_engines()) != self._serving:
+            self.publish()
 
     def then(self, action: Callable[[str], int]) -> Callable[[str], int]:
         """action (resending an engine's requests), after the replicas learn which engines serve."""

@@ -103,8 +103,9 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
     gateway = Gateway(client, tracker, metrics, served, {served, args.model}, args.request_timeout, args.model,
                       admission, args.max_request_bytes, args.client_timeout)
     hub = DashboardHub(metrics, client.watch_pool)
-    tasks = [loop.create_task(client.run_reader()), loop.create_task(_read_status(status, tracker, watchdog, hub)),
-             loop.create_task(_watch(watchdog)), loop.create_task(hub.run()), loop.create_task(publisher.run())]
+    tasks = [loop.create_task(client.run_reader()),
+             loop.create_task(_read_status(status, tracker, watchdog, hub, publisher)),
+             loop.create_task(_watch(watchdog, publisher)), loop.create_task(hub.run()), loop.create_task(publisher.run())]
     app = gateway.make_app()
     DashboardRoutes(hub, args.client_timeout).add_to(app)
 
@@ -137,7 +138,7 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
 
 
 async def _read_status(status: AsyncPullSocket, tracker: StageTracker, watchdog: StageWatchdog,
-                       hub: DashboardHub) -> None:
+                       hub: DashboardHub, publisher: EnginePublisher) -> None:
     while True:
         try:
             beat = await status.recv()
@@ -146,6 +147,7 @@ async def _read_status(status: AsyncPullSocket, tracker: StageTracker, watchdog:
                 continue
             tracker.record(beat)
             watchdog.record(beat)
+            publisher.publish_if_changed()
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -153,10 +155,11 @@ async def _read_status(status: AsyncPullSocket, tracker: StageTracker, watchdog:
             await asyncio.sleep(0.1)
 
 
-async def _watch(watchdog: StageWatchdog) -> None:
+async def _watch(watchdog: StageWatchdog, publisher: EnginePublisher) -> None:
     while True:
         await asyncio.sleep(CHECK_INTERVAL_S)
         try:
             watchdog.check()
+            publisher.publish_if_changed()
         except Exception:
             log.exception("watchdog check failed")
