@@ -14,7 +14,11 @@ dense weight and a quantized copy, and each call picks by its number of rows
   `_weight_int4pack_mm_for_cpu` (`Int4Weight`: bfloat16 activations; the per-group
   scale and zero rounded to bfloat16, which that kernel takes).
 - The output head (the tied embedding, 49152 x 576 in SmolLM2): int8 with a float32
-  scale per group of 32, GGUF's Q8_0, run by the C++ backend's `int8_group_linear`.
+  scale per group of 32, GGUF's Q8_0. With `q4_linear` it runs as two 4-bit planes
+  (`Q8Weight`: code + 128 = 16 * high + low, each plane a Q4_1 weight for that kernel, so
+  its dot products are integer ones too: 1.6-2.2x faster than `int8_group_linear` for
+  1-64 rows on an AVX2 host); else by the C++ backend's `int8_group_linear` (`Int8Weight`,
+  float32 activations).
 
 A checkpoint converted from a GGUF (the default model) holds dequantized Q4_1/Q8_0
 values, so re-quantizing gives back the file's own blocks bit for bit (`on_4bit_grid`,
@@ -92,6 +96,36 @@ class Int8Weight:
     def matmul(self, x: Tensor) -> Tensor:
         return self.op(x, self.qweight, self.scales)
 
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scales.nbytes
+
+
+@dataclass
+class Q8Weight:
+    """Q8_0 weight [out, in] (w = s * c, c in -127..127) as two Q4_1 planes for `q4_linear`:
+    c + 128 = 16 * high + low with high and low in 0..15, so w = (16 s) * high - 128 s + s * low,
+    and x @ w.T is the sum of the two planes' products."""
+
+    high: Q4Weight
+    low: Q4Weight
+    max_rows: int = 0
+
+    def matmul(self, x: Tensor) -> Tensor:
+        return self.high.matmul(x).add_(self.low.matmul(x))
+
+    @property
+    def in_features(self) -> int:
+        return self.high.d.shape[1] * GROUP_SIZE
+
+    @property
+    def nbytes(self) -> int:
+        return self.high.nbytes + self.low.nbytes
+
 
 def supported(device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
@@ -127,6 +161,16 @@ def on_8bit_grid(weight: Tensor) -> bool:
 def quantize_int8(weight: Tensor, op: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Int8Weight:
     codes, scale = q8_0_codes(weight)
     return Int8Weight(codes.to(torch.int8).flatten(1).contiguous(), scale.squeeze(-1).contiguous(), op)
+
+
+def quantize_q8(weight: Tensor, op: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Q8Weight:
+    """The weight's Q8_0 blocks as the two planes of a Q8Weight (a Q8_0-valued tensor round-trips exactly)."""
+    codes, scale = q8_0_codes(weight)
+    shifted = (codes + 128).to(torch.int64).view(weight.shape)
+    scale = scale.squeeze(-1)
+    high = reference.q4_pack(shifted >> 4, 16 * scale, -128 * scale)
+    low = reference.q4_pack(shifted & 15, scale, torch.zeros_like(scale))
+    return Q8Weight(Q4Weight(*high, weight.shape[0], op), Q4Weight(*low, weight.shape[0], op))
 
 
 def quantizable(weight: Tensor) -> bool:
@@ -256,7 +300,7 @@ def attach_int4(model, copies: list[Int4Weight], dtype: torch.dtype, max_rows: i
     return f"int4 copies of {len(copies)} linears ({mib:.0f} MiB) serve steps of at most {max_rows} tokens"
 
 
-def int8_head_copy(model, mode: str, device: torch.device | str) -> tuple[Int8Weight | None, str]:
+def int8_head_copy(model, mode: str, device: torch.device | str) -> tuple[Int8Weight | Q8Weight | None, str]:
     """An int8 copy of the output head (the tied embedding where it is tied) for small steps:
     with `auto` only if the checkpoint holds it as Q8_0 (lossless), always with `int4`.
     Like `int4_copies`, call it on the float32 model, before any cast."""
@@ -266,10 +310,12 @@ def int8_head_copy(model, mode: str, device: torch.device | str) -> tuple[Int8We
     if mode == "auto" and not on_8bit_grid(weight):
         return None, "the checkpoint's head is not 8-bit; kept dense"
     why = "already 8-bit (Q8_0 groups of 32): int8 loses nothing" if mode == "auto" else "asked for int4"
+    if model.backend.q4_linear is not None:
+        return quantize_q8(weight, model.backend.q4_linear), why + "; run as two 4-bit planes by q4_linear"
     return quantize_int8(weight, model.backend.int8_group_linear), why
 
 
-def attach_int8_head(model, copy: Int8Weight, dtype: torch.dtype, max_rows: int | None = None) -> str:
+def attach_int8_head(model, copy: Int8Weight | Q8Weight, dtype: torch.dtype, max_rows: int | None = None) -> str:
     """Give the model its head's int8 copy for steps of at most `max_rows` sampled rows (None: measured)."""
     if max_rows is None:
         max_rows = calibrate([(model.head_weight().data, copy)], dtype)
@@ -277,5 +323,5 @@ def attach_int8_head(model, copy: Int8Weight, dtype: torch.dtype, max_rows: int 
             return f"int8 head not used: slower than {str(dtype).removeprefix('torch.')} even for one row"
     copy.max_rows = max_rows
     model.head_int8 = copy
-    mib = (copy.qweight.nbytes + copy.scales.nbytes) / 2**20
+    mib = copy.nbytes / 2**20
     return f"int8 copy of the head ({mib:.0f} MiB) serves steps of at most {max_rows} sampled rows"

@@ -31,7 +31,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from kernels.attention import AttentionBackend
 from services.executor.batch import BatchMetadata
 from services.executor.models.sharding import ModelShard
-from services.executor.quantization import Int4Weight, Int8Weight, Q4Weight
+from services.executor.quantization import Int4Weight, Int8Weight, Q4Weight, Q8Weight
 from services.executor.tp_group import TPGroup
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -227,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, device)
         self.backend = backend
         self._cos_sin: Tensor | None = None
-        self.head_int8: Int8Weight | None = None  # see services.executor.quantization
+        self.head_int8: Int8Weight | Q8Weight | None = None  # see services.executor.quantization
 
     def cos_sin(self, dtype: torch.dtype) -> Tensor:
         if self._cos_sin is None or self._cos_sin.device != self.rotary.inv_freq.device:
