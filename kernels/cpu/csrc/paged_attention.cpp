@@ -187,8 +187,8 @@ inline void softmax_update_simd(Scratch& s, int64_t r, float* sc, int64_t lo, in
 }
 
 // The same computation with K/V rows read straight from the cache into vector registers
-// (widened from bfloat16/float16 on load): each key row is loaded once and dotted with
-// every query row of the item; each block's values are widened once into scratch, then
+// (widened from bfloat16/float16 on load): keys are dotted four at a time with each query row
+// of the item (a row's four scores share one horizontal reduction); each block's values are widened once into scratch, then
 // every row adds its probabilities times them into an output kept in registers.
 template <typename T, typename C>
 void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_stride, int64_t q_head_stride,
@@ -231,7 +231,28 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
           _mm_prefetch(reinterpret_cast<const char*>(v_cache + next + j * token_stride) + off, _MM_HINT_T0);
         }
     }
-    for (int64_t j = 0; j < n_tok; ++j) {
+    int64_t j = 0;
+    // four keys at a time, each with its own accumulator: four independent FMA chains per row
+    // and one shared horizontal reduction, where one key at a time waits on a single chain
+    for (; j + 4 <= n_tok; j += 4) {
+      const C* k0 = k_cache + base + j * token_stride;
+      const C* k1 = k0 + token_stride;
+      const C* k2 = k1 + token_stride;
+      const C* k3 = k2 + token_stride;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = &s.q[r * D];
+        V a0 = zero(), a1 = zero(), a2 = zero(), a3 = zero();
+        for (int64_t c = 0; c < chunks; ++c) {
+          const V qv = load(qr + c * kWidth);
+          a0 = fmadd(qv, load(k0 + c * kWidth), a0);
+          a1 = fmadd(qv, load(k1 + c * kWidth), a1);
+          a2 = fmadd(qv, load(k2 + c * kWidth), a2);
+          a3 = fmadd(qv, load(k3 + c * kWidth), a3);
+        }
+        reduce_add4(a0, a1, a2, a3, sc + r * BS + j);
+      }
+    }
+    for (; j < n_tok; ++j) {
       const C* kr = k_cache + base + j * token_stride;
       for (int64_t c = 0; c < chunks; ++c) kv[c] = load(kr + c * kWidth);
       for (int64_t r = 0; r < rows; ++r) {

@@ -18,6 +18,13 @@ inline V zero() { return _mm512_setzero_ps(); }
 inline V set1(float x) { return _mm512_set1_ps(x); }
 inline V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline float reduce_add(V a) { return _mm512_reduce_add_ps(a); }
+// out[i] = the sum of ai's lanes, i = 0..3
+inline void reduce_add4(V a0, V a1, V a2, V a3, float* out) {
+  out[0] = _mm512_reduce_add_ps(a0);
+  out[1] = _mm512_reduce_add_ps(a1);
+  out[2] = _mm512_reduce_add_ps(a2);
+  out[3] = _mm512_reduce_add_ps(a3);
+}
 inline V load(const float* p) { return _mm512_loadu_ps(p); }
 inline V load(const c10::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -55,6 +62,11 @@ inline float reduce_add(V a) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+inline void reduce_add4(V a0, V a1, V a2, V a3, float* out) {
+  // pairwise sums within each 128-bit half, twice, then the two halves added: 3 hadds for 4 sums
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
 }
 inline V load(const float* p) { return _mm256_loadu_ps(p); }
 inline V load(const c10::BFloat16* p) {
