@@ -55,6 +55,24 @@ def test_crossover_keeps_the_largest_faster_row_count(monkeypatch):
     assert 16 not in tried  # stopped at 8, the first row count where quantized is not faster
 
 
+def test_crossover_serves_every_step_when_quantized_wins_at_every_size_timed(monkeypatch):
+    limit = {"rows": None}
+    monkeypatch.setattr(sc, "_forward_time", lambda runner, meta: 1.0 if limit["rows"] else 2.0)
+    contexts = []
+
+    def from_step(step, *a):
+        contexts.append(len(step.seqs[0].block_table))
+        return None
+    monkeypatch.setattr(sc.BatchMetadata, "from_step", staticmethod(from_step))
+
+    class Small(_Runner):
+        num_kv_blocks = 65  # 64 sequences of 4 blocks do not fit: their context is halved twice
+    best = sc.crossover(Small(), lambda m: limit.update(rows=m), "test", context=64, rows=(1, 64), reps=1)
+    assert best == q.ALL_ROWS and limit["rows"] == q.ALL_ROWS
+    assert contexts == [4, 1]
+    assert q.rows_text(best) == "every step" and q.rows_text(8) == "steps of at most 8 tokens"
+
+
 def test_crossover_is_zero_when_quantized_never_wins(monkeypatch):
     limit = {"rows": None}
     monkeypatch.setattr(sc, "_forward_time", lambda runner, meta: 3.0 if limit["rows"] else 2.0)
@@ -72,8 +90,8 @@ def test_a_runner_calibrates_on_decode_steps_unless_pinned(tiny_model_dir, tmp_p
     runner = ModelRunner(q4_dir, dtype="float32", num_kv_blocks=64, quantization="auto")
     assert calls == ["int4 linears", "int8 head"]
     limits = {m.int4.max_rows for m in runner.model.decoder_linears()}
-    assert len(limits) == 1 and limits <= {0, 1, 2}
-    assert runner.model.head_int8.max_rows in (0, 1, 2)
+    assert len(limits) == 1 and limits <= {0, 1, q.ALL_ROWS}  # faster at both sizes timed: every step
+    assert runner.model.head_int8.max_rows in (0, 1, q.ALL_ROWS)
     step = sc.decode_step(2, 20, runner.block_size, runner.num_kv_blocks)
     assert len(runner.execute(step)) == 2
 

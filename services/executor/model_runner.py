@@ -44,7 +44,7 @@ from services.executor.loader import load_model
 from services.executor.logits_processors import History
 from services.executor.logprobs import token_logprobs
 from services.executor.models.llama import head_dim_of
-from services.executor.quantization import CALIBRATION_ROWS
+from services.executor.quantization import ALL_ROWS
 from services.executor.sampler import Sampler
 from services.executor.step_calibration import calibrate_runner
 from services.executor.swap_space import SwapSpace
@@ -99,7 +99,7 @@ class ModelRunner:
         # pool exists (services.executor.step_calibration); until then they serve every calibrated size
         step_calibrated = int4_max_rows is None and self.tp.size == 1 and self.device.type == "cpu"
         self.model = load_model(model_dir, self.dtype, self.device, self.backend, quantization,
-                                CALIBRATION_ROWS[-1] if step_calibrated else int4_max_rows, self.tp)
+                                ALL_ROWS if step_calibrated else int4_max_rows, self.tp)
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.backend.name)
         config = self.model.config
         self.max_model_len: int = config.max_position_embeddings

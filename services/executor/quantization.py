@@ -42,7 +42,12 @@ log = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
 MODES = ("auto", "int4", "none")
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ALL_ROWS = 1 << 30  # a row limit no step reaches: the quantized copy serves every step
+
+
+def rows_text(max_rows: int) -> str:
+    return "every step" if max_rows >= ALL_ROWS else f"steps of at most {max_rows} tokens"
 
 
 @dataclass
@@ -297,7 +302,7 @@ def attach_int4(model, copies: list[Int4Weight], dtype: torch.dtype, max_rows: i
         copy.max_rows = max_rows
         module.int4 = copy
     mib = sum(c.nbytes for c in copies) / 2**20
-    return f"int4 copies of {len(copies)} linears ({mib:.0f} MiB) serve steps of at most {max_rows} tokens"
+    return f"int4 copies of {len(copies)} linears ({mib:.0f} MiB) serve {rows_text(max_rows)}"
 
 
 def int8_head_copy(model, mode: str, device: torch.device | str) -> tuple[Int8Weight | Q8Weight | None, str]:
@@ -324,4 +329,4 @@ def attach_int8_head(model, copy: Int8Weight | Q8Weight, dtype: torch.dtype, max
     copy.max_rows = max_rows
     model.head_int8 = copy
     mib = copy.nbytes / 2**20
-    return f"int8 copy of the head ({mib:.0f} MiB) serves steps of at most {max_rows} sampled rows"
+    return f"int8 copy of the head ({mib:.0f} MiB) serves {rows_text(max_rows).replace('tokens', 'sampled rows')}"

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from services.executor.batch import BatchMetadata
-from services.executor.quantization import CALIBRATION_ROWS
+from services.executor.quantization import ALL_ROWS, CALIBRATION_ROWS, rows_text
 from shared.messages import ExecuteStep, ScheduledSeq, SeqSampling
 
 log = logging.getLogger(__name__)
@@ -59,10 +59,15 @@ def _forward_time(runner, meta: BatchMetadata) -> float:
 def crossover(runner, use_rows: Callable[[int], None], label: str, context: int,
               rows: tuple[int, ...] = CALIBRATION_ROWS, reps: int = 3) -> int:
     """Largest m in `rows` at which a decode step of m sequences is faster with `use_rows(m)`
-    (quantized copies serve m rows) than with `use_rows(0)` (dense); 0 if never."""
+    (quantized copies serve m rows) than with `use_rows(0)` (dense); 0 if never; ALL_ROWS if
+    faster at every m. Where m sequences of `context` tokens do not fit in the pool, their
+    context is halved until they do (both ways read the same KV)."""
     best = 0
     for m in rows:
-        step = decode_step(m, context, runner.block_size, runner.num_kv_blocks)
+        step, ctx = None, context
+        while step is None and ctx >= 1:
+            step = decode_step(m, ctx, runner.block_size, runner.num_kv_blocks)
+            ctx //= 2
         if step is None:
             break
         meta = BatchMetadata.from_step(step, runner.block_size, runner.num_kv_blocks, runner.device)
@@ -79,6 +84,8 @@ def crossover(runner, use_rows: Callable[[int], None], label: str, context: int,
         if t_quant >= t_dense:
             break
         best = m
+    else:
+        best = ALL_ROWS if rows else 0
     use_rows(best)
     return best
 
@@ -95,12 +102,13 @@ def calibrate_runner(runner, context: int = 128) -> list[str]:
                 c.max_rows = m
 
         rows = crossover(runner, use_int4, "int4 linears", context)
-        chosen.append(f"int4 linears serve steps of at most {rows} tokens (timed on decode steps)")
+        chosen.append(f"int4 linears serve {rows_text(rows)} (timed on decode steps)")
     head = getattr(model, "head_int8", None)
     if head is not None:
         def use_head(m: int) -> None:
             head.max_rows = m
 
         rows = crossover(runner, use_head, "int8 head", context)
-        chosen.append(f"the int8 head serves steps of at most {rows} sampled rows (timed on decode steps)")
+        chosen.append(f"the int8 head serves {rows_text(rows).replace('tokens', 'sampled rows')} "
+                      "(timed on decode steps)")
     return chosen
