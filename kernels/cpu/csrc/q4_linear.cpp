@@ -35,27 +35,65 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
-// x [M, K] -> int8 codes [M, K], dx [M, G] and dx * sum of codes [M, G], per group of 32.
+// One group of 32 values -> int8 codes c (round to nearest even, as torch.round), its scale d
+// (largest magnitude / 127) and d * the sum of its codes.
+inline void quantize_group(const float* buf, int8_t* c, float* d_out, float* s_out) {
+#if defined(__AVX2__)
+  const __m256 v0 = _mm256_loadu_ps(buf), v1 = _mm256_loadu_ps(buf + 8);
+  const __m256 v2 = _mm256_loadu_ps(buf + 16), v3 = _mm256_loadu_ps(buf + 24);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                           _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+  m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
+  const float amax = _mm256_cvtss_f32(m);
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  // cvtps rounds to nearest even under the default rounding mode, as nearbyint does
+  const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+  const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+  // the packs interleave the two 128-bit halves: put the 4-byte groups back in order
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m256i t = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  const int32_t sum = _mm_cvtsi128_si32(h);
+#else
+  float amax = 0.0f;
+  for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(buf[k]));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int32_t sum = 0;
+  for (int64_t k = 0; k < kGroup; ++k) {
+    const int32_t q = static_cast<int32_t>(std::nearbyint(buf[k] * inv));
+    c[k] = static_cast<int8_t>(q);
+    sum += q;
+  }
+#endif
+  const float d = amax / 127.0f;
+  *d_out = d;
+  *s_out = d * static_cast<float>(sum);
+}
+
+// x [M, K] -> int8 codes [M, K], dx [M, G] and dx * sum of codes [M, G], per group of 32; rows in
+// parallel where there are enough of them (a prefill chunk's rows took a serial tenth of the call).
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* cx, float* dx, float* sx) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* cx, float* dx, float* sx, int threads) {
   const int64_t G = K / kGroup;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M * K >= 16384)
   for (int64_t r = 0; r < M; ++r) {
     float buf[kGroup];
     for (int64_t g = 0; g < G; ++g) {
-      load_row(x + r * K + g * kGroup, buf, kGroup);
-      float amax = 0.0f;
-      for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(buf[k]));
-      const float d = amax / 127.0f;
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int32_t sum = 0;
-      int8_t* c = cx + r * K + g * kGroup;
-      for (int64_t k = 0; k < kGroup; ++k) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(buf[k] * inv));
-        c[k] = static_cast<int8_t>(q);
-        sum += q;
+      const T* src = x + r * K + g * kGroup;
+      const float* row = buf;
+      if constexpr (std::is_same_v<T, float>) {
+        row = src;
+      } else {
+        load_row(src, buf, kGroup);
       }
-      dx[r * G + g] = d;
-      sx[r * G + g] = d * static_cast<float>(sum);
+      quantize_group(row, cx + r * K + g * kGroup, dx + r * G + g, sx + r * G + g);
     }
   }
 }
@@ -161,7 +199,7 @@ void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
   std::vector<float> dx(M * G), sx(M * G);
   dispatch_float_types(x.scalar_type(), "q4_linear", [&](auto tag) {
     using scalar_t = decltype(tag);
-    quantize_rows(x.data_ptr<scalar_t>(), M, K, cx.data(), dx.data(), sx.data());
+    quantize_rows(x.data_ptr<scalar_t>(), M, K, cx.data(), dx.data(), sx.data(), at::get_num_threads());
   });
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* dp = d.data_ptr<float>();
