@@ -125,12 +125,14 @@ void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t
   for (int64_t i = 0; i < rows; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t* cx, const float* dx,
-                const float* sx, int64_t rows, int64_t K, int64_t G, float* out, int64_t ldo) {
+// R (a compile-time count) input rows, so that their accumulators stay in registers.
+template <int R>
+void block_rows_fixed(const uint8_t* wp, const float* d, const float* mn, const int8_t* cx, const float* dx,
+                      const float* sx, int64_t K, int64_t G, float* out, int64_t ldo) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int half = 0; half < 2; ++half) {  // lanes 0-7, then 8-15 of the 16-row block
-    __m256 acc[kRowTile];
-    for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* wg = wp + g * 4 * 64 + half * 32;
       __m256i w[8];
@@ -141,7 +143,7 @@ void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t
       }
       const __m256 dv = _mm256_loadu_ps(d + g * kLanes + half * 8);
       const __m256 mv = _mm256_loadu_ps(mn + g * kLanes + half * 8);
-      for (int64_t i = 0; i < rows; ++i) {
+      for (int i = 0; i < R; ++i) {
         const int8_t* xg = cx + i * K + g * kGroup;
         // each maddubs pair sum is at most 2 * 15 * 127: eight of them still fit in int16
         __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load_i32(xg)));
@@ -152,7 +154,24 @@ void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t
         acc[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[i * G + g]), acc[i]);
       }
     }
-    for (int64_t i = 0; i < rows; ++i) _mm256_storeu_ps(out + i * ldo + half * 8, acc[i]);
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * ldo + half * 8, acc[i]);
+  }
+}
+
+// Tiles of 4 rows: with 8, the 16 AVX2 registers cannot hold the weights and accumulators and the
+// compiler spills (single thread, SmolLM2 shapes: 4 rows per tile 5-23% faster than 8 at 1-64 rows).
+void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t* cx, const float* dx,
+                const float* sx, int64_t rows, int64_t K, int64_t G, float* out, int64_t ldo) {
+  int64_t i = 0;
+  for (; i + 4 <= rows; i += 4)
+    block_rows_fixed<4>(wp, d, mn, cx + i * K, dx + i * G, sx + i * G, K, G, out + i * ldo, ldo);
+  const int8_t* c = cx + i * K;
+  float* o = out + i * ldo;
+  switch (rows - i) {
+    case 1: block_rows_fixed<1>(wp, d, mn, c, dx + i * G, sx + i * G, K, G, o, ldo); break;
+    case 2: block_rows_fixed<2>(wp, d, mn, c, dx + i * G, sx + i * G, K, G, o, ldo); break;
+    case 3: block_rows_fixed<3>(wp, d, mn, c, dx + i * G, sx + i * G, K, G, o, ldo); break;
+    default: break;
   }
 }
 #else
