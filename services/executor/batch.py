@@ -55,6 +55,14 @@ class BatchMetadata:
         seqs = step.seqs
         if not seqs:
             raise InvalidStep("step has no sequences")
+        if all(len(s.token_ids) == 1 and not s.score_targets for s in seqs):
+            return cls._decode(step, block_size, num_blocks, device)
+        return cls._general(step, block_size, num_blocks, device)
+
+    @classmethod
+    def _general(cls, step: ExecuteStep, block_size: int, num_blocks: int | None,
+                 device: str | torch.device) -> BatchMetadata:
+        seqs = step.seqs
         query_lens = [len(s.token_ids) for s in seqs]
         context_lens = [s.start_pos + n for s, n in zip(seqs, query_lens, strict=True)]
         for s, n, ctx in zip(seqs, query_lens, context_lens, strict=True):
@@ -114,4 +122,47 @@ class BatchMetadata:
             decode_seqs=[i for i, n in enumerate(query_lens) if n == 1],
             block_size=block_size,
             scored_seqs=scored,
+        )
+
+    @classmethod
+    def _decode(cls, step: ExecuteStep, block_size: int, num_blocks: int | None,
+                device: str | torch.device) -> BatchMetadata:
+        """from_step for a step of one new token per sequence, checked alike, in plain Python: the
+        general path's dozen small tensor ops took 0.2 ms of a 12 ms step at one sequence."""
+        seqs = step.seqs
+        positions, slots = [], []
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = []
+        for s in seqs:
+            pos, table = s.start_pos, s.block_table
+            if pos < 0:
+                raise InvalidStep(f"{s.request_id}: negative start_pos {pos}")
+            if len(s.slot_mapping) != 1:
+                raise InvalidStep(f"{s.request_id}: {len(s.slot_mapping)} slots for 1 tokens")
+            if len(table) * block_size < pos + 1:
+                raise InvalidStep(f"{s.request_id}: {len(table)} blocks cannot hold a context of {pos + 1} tokens")
+            if num_blocks is not None and any(not 0 <= b < num_blocks for b in table):
+                raise InvalidStep(f"block table entry outside the pool of {num_blocks} blocks")
+            slot, expected = s.slot_mapping[0], table[pos // block_size] * block_size + pos % block_size
+            if slot != expected:
+                raise InvalidStep(f"{s.request_id}: slot {slot} for position {pos} disagrees with its block table "
+                                  f"(expected {expected})")
+            positions.append(pos)
+            slots.append(slot)
+            tables.append(table + [0] * (max_blocks - len(table)) if len(table) < max_blocks else table)
+        n = len(seqs)
+        sampled_seqs = [i for i, s in enumerate(seqs) if s.sample]
+        return cls(
+            input_ids=torch.tensor([s.token_ids[0] for s in seqs], dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_start_loc=torch.arange(n + 1, dtype=torch.long, device=device),
+            context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.long, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+            sample_indices=torch.tensor(sampled_seqs, dtype=torch.long, device=device),
+            sampled_seqs=sampled_seqs,
+            query_lens=[1] * n,
+            decode_seqs=list(range(n)),
+            block_size=block_size,
+            scored_seqs=[],
         )
