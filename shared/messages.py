@@ -150,6 +150,9 @@ class EngineLoad(Struct, array_like=True):
     num_waiting: int = 0
     kv_usage: float = 0.0  # fraction of its KV blocks in use
     block_size: int = 16
+    # its scheduler's instance: a new one (a restart) starts with an empty prefix cache.
+    # Last, with a default, so that an older sender's shorter array still decodes.
+    instance: str = ""
 
 
 class EngineLoads(Struct, tag=True):
@@ -266,7 +269,14 @@ class TokenDelta(Struct, tag=True):
     prompt_logprobs: list[TokenLogprob] = []  # prompt tokens 1.., on the request's first delta
 
 
-SchedulerToTokenizer = TokenDelta | RequestError
+class StepDeltas(Struct, tag=True):
+    """The TokenDeltas of one step for one tokenizer replica, in one frame (one per step, not one
+    per sequence); the replica handles them in order, as if they had come one by one."""
+
+    deltas: list[TokenDelta]
+
+
+SchedulerToTokenizer = TokenDelta | RequestError | StepDeltas
 
 
 # --- scheduler -> executor ------------------------------------------------------------

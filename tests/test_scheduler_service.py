@@ -23,6 +23,7 @@ from shared.messages import (
     SamplingParams,
     SchedulerToExecutor,
     SchedulerToTokenizer,
+    StepDeltas,
     StepResult,
     TokenDelta,
     TokenizedRequest,
@@ -78,8 +79,9 @@ class Stage:
             if execute:
                 self.execute()
             for tok in tokenizers:
-                for msg in tok.recv_nowait():
-                    replies.setdefault(msg.request_id, []).append(msg)
+                for frame in tok.recv_nowait():
+                    for msg in frame.deltas if isinstance(frame, StepDeltas) else [frame]:
+                        replies.setdefault(msg.request_id, []).append(msg)
             time.sleep(0.001)
         return replies
 
@@ -229,3 +231,23 @@ def test_token_ids_outside_the_vocabulary_fail_only_their_request():
         assert stage.service.scheduler.blocks.num_used_blocks == 0
     finally:
         stage.close()
+
+
+def test_a_step_s_tokens_reach_a_replica_as_one_frame(stage):
+    tok = stage.tokenizer("t0")
+    for i in range(4):
+        tok.send(honest(f"r{i}", 3))
+    frames = []
+    deadline = time.monotonic() + 20
+    while sum(len(f.deltas) if isinstance(f, StepDeltas) else 1 for f in frames) < 12:
+        assert time.monotonic() < deadline, frames
+        stage.execute()
+        frames += tok.recv_nowait()
+        time.sleep(0.001)
+    batched = [f for f in frames if isinstance(f, StepDeltas)]
+    assert batched and all(len(f.deltas) > 1 for f in batched)  # one frame per step, not one per sequence
+    got: dict[str, list[int]] = {}
+    for f in frames:
+        for d in f.deltas if isinstance(f, StepDeltas) else [f]:
+            got.setdefault(d.request_id, []).extend(d.token_ids)
+    assert sorted(got) == [f"r{i}" for i in range(4)] and all(len(t) == 3 for t in got.values())

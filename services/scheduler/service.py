@@ -52,6 +52,7 @@ from shared.messages import (
     SchedulerToExecutor,
     SchedulerToTokenizer,
     StatusToGateway,
+    StepDeltas,
     StepFailed,
     StepResult,
     TokenDelta,
@@ -119,6 +120,7 @@ class SchedulerService:
         )
         self.recently_aborted: dict[str, float] = {}  # request id -> when its abort came
         self.outbox = Outbox(self.requests_in, STALL_TIMEOUT_S)
+        self.replies: dict[bytes, list] = {}  # to each tokenizer replica, sent once the next step is out
         self.watch = PoolWatch()
         # a gateway that stops reading leaves at most one subscription's snapshots (ttl / interval) queued
         self.snapshots_out = PushSocket(ctx, addr.status, StatusToGateway)
@@ -257,10 +259,29 @@ class SchedulerService:
             self.recently_aborted = {k: t for k, t in self.recently_aborted.items() if now - t < max_age_s}
 
     def _reply(self, peer: bytes, msg) -> None:
-        self.outbox.send(peer, msg)
+        """Queued until `_flush_replies`, which runs once the next step is on its way: the
+        executor does not wait for the replies of the step before."""
+        self.replies.setdefault(peer, []).append(msg)
+
+    def _send_replies(self) -> None:
+        """The queued replies, in order; each run of TokenDeltas to a replica as one StepDeltas."""
+        for peer, msgs in self.replies.items():
+            run: list[TokenDelta] = []
+            for msg in [*msgs, None]:
+                if isinstance(msg, TokenDelta):
+                    run.append(msg)
+                    continue
+                if run:
+                    self.outbox.send(peer, run[0] if len(run) == 1 else StepDeltas(run))
+                    run = []
+                if msg is not None:
+                    self.outbox.send(peer, msg)
+        self.replies.clear()
 
     def _flush_replies(self) -> None:
-        """Retry backlogs; hold the requests of replicas that have one; fail the stuck."""
+        """Send the queued replies, retry backlogs; hold the requests of replicas that have one;
+        fail the stuck."""
+        self._send_replies()
         self.outbox.flush()
         if self.scheduler is None:
             return
@@ -273,6 +294,7 @@ class SchedulerService:
                 self.scheduler.finish_request(rid, "error")
                 self._reply(peer, RequestError(rid, 503, "the tokenizer replica serving this request stopped "
                                                          "reading; the request was ended", "service_unavailable"))
+        self._send_replies()
 
     def _check_step_deadline(self) -> None:
         """An executor that does not answer the step in flight in time is lost, as if it
@@ -328,7 +350,6 @@ class SchedulerService:
                         self.on_executor_ready(msg)
                     else:
                         self.on_step_done(msg)
-            self._flush_replies()
             if self.in_flight is None and not (self.scheduler and self.scheduler.has_work):
                 self.result_at = None  # idle: the wait for new work is not step time
             if self.in_flight is None and self.scheduler and self.executor_lost is None and self.scheduler.has_work:
@@ -340,6 +361,7 @@ class SchedulerService:
                     step, chunks = scheduled
                     self.steps_out.send(step)
                     self.in_flight = (step.step_id, chunks, started)
+            self._flush_replies()  # after the next step left: the executor is not kept waiting for them
             if self.scheduler is not None and time.monotonic() - self.stats_at >= STATS_INTERVAL_S:
                 self.refresh_stats()
             if self.scheduler is not None and self.watch.due():
@@ -347,6 +369,7 @@ class SchedulerService:
                     self.send_snapshot()
                 except Exception:  # a dashboard must never take the scheduler down
                     log.exception("pool snapshot failed")
+        self._send_replies()
         self.heartbeat.stop()
         self.snapshots_out.close()
 

@@ -26,6 +26,7 @@ from shared.messages import (
     FinishRequest,
     RequestRouted,
     SchedulerToTokenizer,
+    StepDeltas,
     TokenizedRequest,
     TokenizerToScheduler,
 )
@@ -90,9 +91,14 @@ class EngineLinks:
             self._send_ready()
 
     def recv_nowait(self) -> list:
+        """What the schedulers sent, a step's StepDeltas unpacked into its TokenDeltas."""
         out = []
         for sock in self.sockets.values():
-            out += sock.recv_nowait()
+            for msg in sock.recv_nowait():
+                if isinstance(msg, StepDeltas):
+                    out += msg.deltas
+                else:
+                    out.append(msg)
         if self.many:
             for msg in out:  # a first output: that request's prefill has run
                 self.router.prefilled(msg.request_id)
