@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -200,10 +201,11 @@ def test_a_held_request_goes_when_its_warmer_is_released_or_its_engine_is_lost_o
     router.update(EngineLoads([EngineLoad(e) for e in ENGINES if e != engine]))
     assert router.ready() == ["third"]  # sent to a lost engine: the gateway sends it again
     router.update(EngineLoads([EngineLoad(e) for e in ENGINES]))
-    router.route("fourth", prompt(3, 3))
-    assert router.held("fourth")
+    router.route("fourth", prompt(3, 3))  # the lost engine's blocks were forgotten: this one warms them
+    router.route("fifth", prompt(3, 4))
+    assert not router.held("fourth") and router.held("fifth")
     now[0] += HOLD_MAX_S
-    assert router.ready() == ["fourth"]
+    assert router.ready() == ["fifth"]
     router.check_invariants()
 
 
@@ -221,7 +223,105 @@ def test_a_longer_prompt_waits_for_the_shared_part_and_warms_its_own():
     router.check_invariants()
 
 
-ops = st.lists(st.tuples(st.sampled_from(["route", "prefilled", "release", "update", "tick"]),
+def loads(engines=ENGINES, instances=None):
+    return EngineLoads([EngineLoad(e, instance=(instances or {}).get(e, f"{e}-A")) for e in engines])
+
+
+def test_a_restarted_engine_is_forgotten_so_a_burst_on_its_prefix_waits_for_one_cold_prefill():
+    router = EngineRouter(ENGINES, "prefix")
+    engines = Engines(router)
+    router.update(loads())
+    for s in range(2):
+        engines.send(f"w{s}", prompt(s, 0))
+    engines.run_step()
+    home = router.owner("w0")
+    other = router.owner("w1")
+    assert home != other
+    for s in range(2):
+        router.release(f"w{s}")
+    router.update(loads())  # the same instances: nothing forgotten
+    assert router.forgotten == 0
+    router.update(loads(instances={home: f"{home}-B"}))  # its scheduler restarted: an empty cache
+    engines.cached[home].clear()
+    assert router.forgotten == 1
+    router.check_invariants()
+    routed, hits = router.prefix_routed, engines.hits
+    for i in range(4):
+        engines.send(f"b{i}", prompt(0, i + 1))
+    # one request warms system prompt 0 again (on the emptier engine); the others wait for it
+    # instead of all missing the cache in the same step, as they would on a stale map
+    assert router.prefix_routed - routed == 3 and len(engines.step) == 1 and router.held_total == 3
+    engines.run_step()
+    engines.run_step()
+    assert engines.hits - hits == 3 * 4
+    router.update(loads(instances={home: f"{home}-B"}))  # still B: nothing more to forget
+    assert router.forgotten == 1
+    router.check_invariants()
+
+
+def test_the_first_report_of_an_instance_keeps_what_was_routed_before_it():
+    router = EngineRouter(ENGINES, "prefix")
+    engine = router.route("a", prompt(1, 0))
+    router.prefilled("a")
+    router.update(EngineLoads([EngineLoad(e) for e in ENGINES]))  # an older gateway: no instance
+    router.update(loads())  # the first instance named: no change to compare with
+    assert router.route("b", prompt(1, 1)) == engine and router.prefix_routed == 1 and router.forgotten == 0
+
+
+def test_a_restart_stops_the_warming_of_its_requests_and_lets_those_held_behind_them_go():
+    router = EngineRouter(ENGINES, "prefix")
+    router.update(loads())
+    engine = router.route("warm", prompt(2, 0))
+    assert router.route("behind", prompt(2, 1)) == engine and router.held("behind")
+    bystander = next(e for e in ENGINES if e != engine)
+    router.route("elsewhere", prompt(7, 0))  # the emptier engine warms another prefix
+    assert router.owner("elsewhere") == bystander
+    router.update(loads(instances={engine: f"{engine}-B"}))
+    assert router.ready() == ["behind"]  # sent now; the gateway sends both again anyway
+    assert router.owner("warm") == engine  # still its owner until the gateway's abort releases it
+    router.check_invariants()
+    router.prefilled("warm")  # a late first output of the old instance: not a cached block any more
+    router.release("warm")
+    router.release("behind")
+    assert router.route("again", prompt(2, 2)) is not None and not router.held("again")
+    assert router.prefix_routed == 1  # only "behind": the bystander's prefix map was left alone
+    assert router.route("elsewhere-2", prompt(7, 1)) == bystander and router.prefix_routed == 2
+    router.check_invariants()
+
+
+def test_an_engine_that_leaves_the_live_set_is_forgotten_even_if_it_comes_back_unchanged():
+    router = EngineRouter(ENGINES, "prefix")
+    router.update(loads())
+    engine = router.route("a", prompt(4, 0))
+    router.prefilled("a")
+    router.release("a")
+    router.update(loads([e for e in ENGINES if e != engine]))
+    router.check_invariants()
+    router.update(loads())  # back, same instance: it may have reset its cache (executor restart)
+    router.route("b", prompt(4, 1))
+    assert router.prefix_routed == 0 and router.forgotten == 1
+
+
+class OldEngineLoad(msgspec.Struct, array_like=True):
+    """EngineLoad as a gateway from before the instance field sends it."""
+
+    engine: str
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    block_size: int
+
+
+class OldEngineLoads(msgspec.Struct, tag="EngineLoads"):
+    engines: list[OldEngineLoad]
+
+
+def test_an_engine_load_from_an_older_gateway_still_decodes():
+    old = msgspec.msgpack.encode(OldEngineLoads([OldEngineLoad("engine-1", 1, 2, 0.5, 32)]))
+    assert msgspec.msgpack.decode(old, type=EngineLoads).engines == [EngineLoad("engine-1", 1, 2, 0.5, 32, "")]
+
+
+ops = st.lists(st.tuples(st.sampled_from(["route", "prefilled", "release", "update", "restart", "tick"]),
                          st.integers(0, 5), st.integers(0, 3)), max_size=120)
 
 
@@ -232,6 +332,7 @@ def test_invariants_hold_under_random_operations(ops, policy, max_prefixes):
     engines = ["engine-0", "engine-1", "engine-2"]
     router = EngineRouter(engines, policy, block_size=4, max_prefixes=max_prefixes, clock=lambda: now[0])
     sent: set[str] = set()
+    instances = dict.fromkeys(engines, 0)
     n = 0
     for op, a, b in ops:
         if op == "route":
@@ -247,8 +348,11 @@ def test_invariants_hold_under_random_operations(ops, policy, max_prefixes):
             rid = router.owned()[a % len(router.owned())]
             router.release(rid)
             sent.discard(rid)
-        elif op == "update":
-            router.update(EngineLoads([EngineLoad(e, a, b, a / 10) for i, e in enumerate(engines) if i != b]))
+        elif op in ("update", "restart"):
+            if op == "restart":
+                instances[engines[b % 3]] += 1
+            router.update(EngineLoads([EngineLoad(e, a, b, a / 10, instance=f"{e}-{instances[e]}")
+                                       for i, e in enumerate(engines) if i != b or op == "restart"]))
         elif op == "tick":
             now[0] += a
         for rid in router.ready():

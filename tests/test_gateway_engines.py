@@ -84,6 +84,9 @@ def test_a_restarted_engine_resends_only_its_own_requests_and_takes_none_until_r
     assert [x.engine for x in calls["published"][-1].engines] == ["engine-0"]
     dog.record(beat("scheduler", "engine-1", "B-engine-1"))
     assert list(dog.serving_engines()) == ["engine-0", "engine-1"]
+    # the replicas learn the new instance: their prefix maps forget what engine-1 held
+    assert [(x.engine, x.instance) for x in engine_loads(dog).engines] == [
+        ("engine-0", "A-engine-0"), ("engine-1", "B-engine-1")]
 
 
 def test_one_engine_alone_keeps_the_single_scheduler_rules():

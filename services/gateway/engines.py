@@ -4,8 +4,9 @@ The watchdog tracks each engine (its scheduler and executor, by the engine named
 heartbeats). Several times a second, at once when the set of serving engines changes (so
 no request is routed by a stale set after /health shows the change), and at once before an
 engine's requests are sent again, every live tokenizer replica gets EngineLoads: the engines serving now with their
-running and waiting requests and KV usage (from their schedulers' heartbeats), which their
-EngineRouters route by. With a single engine nothing is sent: there is nothing to choose.
+running and waiting requests and KV usage (from their schedulers' heartbeats) and their
+schedulers' instance ids (a new one has an empty prefix cache), which their EngineRouters
+route by. With a single engine nothing is sent: there is nothing to choose.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ def engine_loads(watchdog: StageWatchdog) -> EngineLoads:
 
 def _load(name: str, e: EngineState) -> EngineLoad:
     st = e.stats
+    instance = e.scheduler or ""
     if st is None:
-        return EngineLoad(name)
+        return EngineLoad(name, instance=instance)
     usage = st.kv_blocks_used / st.kv_blocks_total if st.kv_blocks_total else 0.0
-    return EngineLoad(name, st.num_running, st.num_waiting, usage, st.block_size)
+    return EngineLoad(name, st.num_running, st.num_waiting, usage, st.block_size, instance)
 
 
 class EnginePublisher:

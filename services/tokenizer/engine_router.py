@@ -37,15 +37,27 @@ several replicas a prefix may be warmed once per replica.
 Only engines in the latest report are live (one that dies or hangs is left out by the
 gateway); before any report every configured engine is. A request's later messages go to
 the engine that owns it (`owner`), until `release`.
+
+Restarts: the map is forgotten for an engine (`forget`) whose scheduler instance in the
+report differs from the one before (a restarted scheduler, or a scheduler that reset its
+cache when its executor restarted, has an empty prefix cache) and for an engine that left
+the live set (it may come back restarted, or with its cache reset; if it was only frozen,
+forgetting costs one cold prefill per prefix). The requests that engine warmed stop
+warming: they stay owned by it (the gateway sends them again, aborting these), what they
+would have prefilled is not counted as held anywhere, and the requests held behind them
+are let go at once (to that engine: the gateway's resend covers them too).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from shared.messages import EngineLoads
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
 MAX_PREFIXES = 65536  # block hashes remembered (LRU)
@@ -85,19 +97,46 @@ class EngineRouter:
         self._blocks: Counter[str] = Counter()  # engine -> blocks of the map it holds
         self._warming: dict[str, list[int]] = {}  # request id -> the blocks it warms on its engine
         self._held: dict[str, tuple[str, float]] = {}  # request id -> (the warming request it waits for, since)
+        self._instances: dict[str, str] = {}  # engine -> its scheduler instance at the latest report naming one
         self._next = 0
         self.prefix_routed = 0  # requests the prefix map placed (for logs and tests)
         self.spilled = 0  # requests the load cap sent away from every engine holding their prefix
         self.held_total = 0
+        self.forgotten = 0  # times an engine's part of the map was dropped (restarted or not live)
 
     def update(self, loads: EngineLoads) -> None:
         known = set(self.engines)
         live = [e for e in loads.engines if e.engine in known]
         self.live = [e.engine for e in live]
+        for e in live:
+            old = self._instances.get(e.engine)
+            if e.instance and old and e.instance != old:
+                self.forget(e.engine, "restarted")
+            if e.instance:  # "" (an older gateway, or no heartbeat yet): nothing to compare
+                self._instances[e.engine] = e.instance
+        for engine in known - set(self.live):
+            self.forget(engine, "not serving")
         self._others = {e.engine: max(0.0, e.num_running + e.num_waiting - self._in_flight[e.engine]) for e in live}
         self._kv_usage = {e.engine: e.kv_usage for e in live}
         if live:
             self.block_size = live[0].block_size
+
+    def forget(self, engine: str, why: str = "") -> None:
+        """Drop every block the map has on engine, and stop its requests warming any."""
+        warmers = [rid for rid in self._warming if self._owner.get(rid) == engine]
+        for rid in warmers:
+            del self._warming[rid]  # ready() lets the requests held behind them go
+        if not self._blocks[engine]:
+            self._blocks.pop(engine, None)
+            return
+        dropped = self._blocks.pop(engine)
+        for h in [h for h, holders in self._prefixes.items() if engine in holders]:
+            holders = self._prefixes[h]
+            del holders[engine]
+            if not holders:
+                del self._prefixes[h]
+        self.forgotten += 1
+        log.info("engine %s %s: forgetting the %d prefix blocks routed to it", engine, why, dropped)
 
     def load(self, engine: str) -> float:
         requests = self._in_flight[engine] + self._others.get(engine, 0.0)
@@ -237,5 +276,8 @@ class EngineRouter:
                 if rid is not None:
                     assert self._owner.get(rid) == e and h in self._warming.get(rid, ()), (h, e, rid)
         assert set(self._warming) <= set(self._owner)
+        if self.live:  # what an engine that left the live set held or warmed is forgotten
+            assert set(held) <= set(self.live), (held, self.live)
+            assert all(self._owner[rid] in self.live for rid in self._warming), self._warming
         for rid, (first, _since) in self._held.items():
             assert rid in self._owner and first != rid, rid
