@@ -16,6 +16,13 @@ the one the scheduler talks to) and "executor-rank1" ... (with data parallelism
 at launch. They form a group: when one of them dies the launcher kills the others at
 once and starts them all again together (one backoff for the group), since a group
 that lost a rank cannot continue.
+
+On CUDA every executor rank has a GPU of its own: engine i's rank r takes GPU
+first + i*M + r (M the tensor-parallel size, first the index in `--device cuda:K`, else
+0). The launcher gives engine i `--device cuda:{first + i*M}` and each rank adds its rank
+(`services.executor.service.rank_device`). With fewer GPUs visible than that needs it
+refuses to start, naming the count, instead of letting engines share a GPU (each sizes
+its KV pool to --gpu-memory-utilization of the whole device) or fail one by one.
 """
 
 from __future__ import annotations
@@ -114,6 +121,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def first_gpu(device: str) -> int:
+    return int(device.split(":")[1]) if ":" in device else 0
+
+
+def engine_device(device: str, engine: int, tensor_parallel_size: int) -> str:
+    """The --device of engine `engine`'s executor ranks: on CUDA the first of its own GPUs."""
+    if not device.startswith("cuda") or engine == 0:
+        return device
+    return f"cuda:{first_gpu(device) + engine * tensor_parallel_size}"
+
+
+def check_gpus(device: str, data_parallel_size: int, tensor_parallel_size: int, visible: int) -> None:
+    """Refuse (SystemExit) a CUDA layout that needs more GPUs than `visible`."""
+    ranks = data_parallel_size * tensor_parallel_size
+    if not device.startswith("cuda") or ranks == 1:
+        return
+    first = first_gpu(device)
+    if first + ranks > visible:
+        raise SystemExit(
+            f"--data-parallel-size {data_parallel_size} x --tensor-parallel-size {tensor_parallel_size} on "
+            f"--device {device} needs {ranks} GPUs, one per executor rank (GPUs {first}-{first + ranks - 1}: "
+            f"engine i, rank r on GPU {first} + i*{tensor_parallel_size} + r), but {visible} "
+            f"{'is' if visible == 1 else 'are'} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+
+
+def visible_gpus() -> int:
+    import torch  # only for --device cuda: the launcher does not load torch otherwise
+
+    return torch.cuda.device_count()
+
+
 def stage_groups(names: list[str]) -> dict[str, str]:
     """Stage name -> its group (an executor's tensor-parallel ranks), for the stages in one."""
     ranks = {name: name.rsplit(RANK_SUFFIX, 1)[0] for name in names if RANK_SUFFIX in name}
@@ -131,7 +170,7 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses,
     model = ["--model", args.model]
     served = default_served_name(args.model) if args.served_model_name is None else args.served_model_name
 
-    executor = model + ["--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
+    executor = model + ["--dtype", args.dtype, "--block-size", str(args.block_size),
                         "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype]
     if args.int4_max_rows is not None:
         executor += ["--int4-max-rows", str(args.int4_max_rows)]
@@ -172,13 +211,14 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses,
         suffix = f"-{i}" if dp > 1 else ""
         own = engine.as_argv() + common[len(addresses.as_argv()):] + ["--engine", f"engine-{i}"]
         cmds[f"scheduler{suffix}"] = base + ["scheduler"] + scheduler + own
+        device = ["--device", engine_device(args.device, i, tp)]
         if tp == 1:
-            cmds[f"executor{suffix}"] = base + ["executor"] + executor + own
+            cmds[f"executor{suffix}"] = base + ["executor"] + executor + device + own
             continue
         group = ["--tensor-parallel-size", str(tp), "--tp-init-address", f"tcp://127.0.0.1:{tp_ports[i]}"]
         for rank in range(tp):
             name = f"executor{suffix}" + (f"{RANK_SUFFIX}{rank}" if rank else "")
-            cmds[name] = base + ["executor"] + executor + group + ["--tp-rank", str(rank)] + own
+            cmds[name] = base + ["executor"] + executor + device + group + ["--tp-rank", str(rank)] + own
     cmds["gateway"] = base + ["gateway"] + gateway + common
     tokenizer = model + (["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])
     if dp > 1:
@@ -324,6 +364,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--data-parallel-size must be at least 1")
     if args.tensor_parallel_size < 1:
         raise SystemExit("--tensor-parallel-size must be at least 1")
+    if args.device.startswith("cuda") and args.data_parallel_size * args.tensor_parallel_size > 1:
+        check_gpus(args.device, args.data_parallel_size, args.tensor_parallel_size, visible_gpus())
     # refuse now, not in every stage: the addresses given are the only tcp:// ones
     load_keys(getattr(args, "curve_key_file", None), [getattr(args, name) for name in Addresses.__dataclass_fields__])
     resolve_model(args.model)  # convert a GGUF once, before the stages race to load it

@@ -67,6 +67,8 @@ class TPGroup:
         if not 0 <= rank < size:
             raise ValueError(f"tensor-parallel rank {rank} outside a group of {size}")
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # before NCCL's first communicator: else every rank starts on GPU 0
         timeout = timedelta(seconds=timeout_s)
         log.info("rank %d of %d joining at %s (%s)", rank, size, init_address, backend)
         dist.init_process_group(backend, init_method=init_address, rank=rank, world_size=size, timeout=timeout)
