@@ -57,6 +57,14 @@ def test_shards_split_kv_groups_unevenly_or_replicate():
         ModelShard.of(9, 3, 1536, 49152, 0, 6)  # 3 query heads per KV head do not split over 2 replicas
 
 
+def stop_ranks(procs: list[subprocess.Popen]) -> None:
+    """Kill the rank processes still running and reap them all."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
 def run_tp2(model: str, prompt_ids: list[list[int]], out, extra: tuple[str, ...] = ()) -> dict:
     init = f"tcp://127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_ranks", "--model", model, "--rank", str(rank),
@@ -66,9 +74,7 @@ def run_tp2(model: str, prompt_ids: list[list[int]], out, extra: tuple[str, ...]
     try:
         assert [p.wait(600) for p in procs] == [0, 0]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        stop_ranks(procs)
     return torch.load(out)
 
 
@@ -182,10 +188,7 @@ def test_an_idle_rank_whose_peer_dies_exits(tiny_model_dir, tmp_path, victim):
         assert procs[survivor].wait(30) == 1, logs[survivor].read_text()
         assert "exiting so that the group restarts" in logs[survivor].read_text()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        stop_ranks(procs)
 
 
 # --- serving through the HTTP API ----------------------------------------------------------

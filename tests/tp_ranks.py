@@ -80,9 +80,13 @@ def main() -> int:
     group = TPGroup.join(args.rank, args.size, args.init, torch.device("cpu"))
     runner = make_runner(args.model, group, args.quantization, args.int4_max_rows)
     if args.rank > 0:
-        return Executor(argparse.Namespace(executor_id=None)).follow(runner, group)
+        code = Executor(argparse.Namespace(executor_id=None)).follow(runner, group)
+        if code == 0:
+            group.close()  # as the executor stage does: an exit racing gloo's threads can abort (134)
+        return code
     logits, tokens = drive(runner, group, json.loads(args.prompts), args.max_tokens)
     group.send(RankStop())
+    group.close()
     torch.save({"logits": logits, "tokens": tokens, "num_kv_blocks": runner.num_kv_blocks,
                 "kv_heads": runner.model.num_local_kv_heads, **quantized(runner)}, args.out)
     return 0

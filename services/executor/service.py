@@ -131,7 +131,10 @@ class Executor:
         group = (TPGroup.join(rank, size, args.tp_init_address, torch.device(device)) if size > 1
                  else TPGroup.single())
         if rank > 0:
-            return self.follow(self.load(device, group), group)
+            code = self.follow(self.load(device, group), group)
+            if code == 0:
+                group.close()
+            return code
         addr = Addresses.from_args(args, required=("executor_in", "executor_out"))
         ctx = configure(zmq.Context(), stage_keys(args, addr))
         heartbeat = None
@@ -144,6 +147,7 @@ class Executor:
             runner = self.load(device, group)
             if self.stop.is_set():
                 group.send(RankStop())
+                group.close()
                 return 0
             steps = PullSocket(ctx, addr.executor_in, SchedulerToExecutor, bind=False)
             results = PushSocket(ctx, addr.executor_out, ExecutorToScheduler, bind=False)
@@ -169,6 +173,7 @@ class Executor:
                     group.send(RankKeepalive())
                     idle_since = time.monotonic()
             group.send(RankStop())
+            group.close()
             return 0
         except GroupBroken as exc:
             log.error("%s: the tensor-parallel group is broken; exiting so that the group restarts", exc)

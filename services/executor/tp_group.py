@@ -15,12 +15,21 @@ starts the whole group again. An idle rank 0 sends a `RankKeepalive` every
 KEEPALIVE_S, so a dead peer is noticed between steps too, and the waiting ranks never
 reach the group's timeout. A size-1 group (`TPGroup.single()`) has no process group and
 every collective is the identity.
+
+Exit: gloo's worker thread drops its reference to a finished collective's tensors after
+the caller's wait returns; when that is the last reference to a tensor made in Python it
+takes the GIL to free it, and during interpreter shutdown that aborts the process
+("terminate called without an active exception", exit 134: 21 of 70 bare rank pairs
+that only broadcast and stopped). So a rank that stops cleanly (RankStop sent or
+received) calls `close`, which destroys the process group, joining gloo's threads, before
+the interpreter shuts down (0 of 40). The step broadcast's tensors stay referenced here
+until the next message, so that join never waits for a worker that waits for the GIL.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -55,6 +64,9 @@ class TPGroup:
     size: int
     device_group: Any = None  # the model's collectives
     cpu_group: Any = None  # the step broadcast and pool sizing (gloo)
+    # the latest step broadcast's tensors, held past gloo's use of them (see the module's docstring)
+    _length: Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int64), init=False, repr=False)
+    _payload: Tensor | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def single(cls) -> TPGroup:
@@ -111,22 +123,24 @@ class TPGroup:
         if self.size == 1:
             return
         payload = _encoder.encode(msg)
-        self._run("broadcast", dist.broadcast, torch.tensor([len(payload)], dtype=torch.int64), 0,
-                  group=self.cpu_group)
-        self._run("broadcast", dist.broadcast, torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0,
-                  group=self.cpu_group)
+        self._length.fill_(len(payload))
+        self._payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        self._run("broadcast", dist.broadcast, self._length, 0, group=self.cpu_group)
+        self._run("broadcast", dist.broadcast, self._payload, 0, group=self.cpu_group)
 
     def recv(self) -> RankZeroToRanks:
         """Ranks > 0: the next message from rank 0 (blocks; rank 0 keeps it alive when idle)."""
-        length = torch.zeros(1, dtype=torch.int64)
-        self._run("broadcast", dist.broadcast, length, 0, group=self.cpu_group)
-        payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        self._run("broadcast", dist.broadcast, payload, 0, group=self.cpu_group)
+        self._run("broadcast", dist.broadcast, self._length, 0, group=self.cpu_group)
+        self._payload = torch.empty(int(self._length.item()), dtype=torch.uint8)
+        self._run("broadcast", dist.broadcast, self._payload, 0, group=self.cpu_group)
         try:
-            return _decoder.decode(payload.numpy().tobytes())
+            return _decoder.decode(self._payload.numpy().tobytes())
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise GroupBroken(f"rank {self.rank}: undecodable message from rank 0: {exc}", peer_lost=True) from exc
 
     def close(self) -> None:
+        """Leave the group after a clean stop (RankStop sent or received): its threads are
+        joined while this object still holds the latest broadcast's tensors."""
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+        self.device_group = self.cpu_group = None  # the last references: the process group goes now
