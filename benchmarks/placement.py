@@ -37,6 +37,7 @@ from loadgen.datasets import WorkloadSpec
 from loadgen.peers import launch
 from loadgen.targets import Target
 from loadgen.tokenizer import load_tokenizer
+from services.executor.quantization import ALL_ROWS
 
 VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "default": ((), {}),
@@ -45,7 +46,7 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "threads-1": (("--executor-threads", "1"), {}),
     "nice": (("--frontend-nice", "10"), {}),
 }
-INT4_ROWS = re.compile(r"int4 linears serve steps of at most (\d+) tokens")
+INT4_ROWS = re.compile(r"int4 linears serve (?:steps of at most (\d+) tokens|(every step))")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             targets[name] = Target(name=name, url=peer.url)
             if not pinned:
                 found = INT4_ROWS.findall(peer.log_path.read_text(errors="replace"))
-                pinned = ("--int4-max-rows", found[-1]) if found else ()
+                if found:  # (rows, "") or ("", "every step")
+                    pinned = ("--int4-max-rows", found[-1][0] or str(ALL_ROWS))
         for r in range(args.rounds):
             order = args.variants[r % len(args.variants):] + args.variants[: r % len(args.variants)]
             for name in order:
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                     rec = point(targets[name], trace, c, args, tokenizer)
                     results[name][c].append(rec)
                     _log(f"round {r + 1} {name} C={c}: {rec['output_tok_s']:.1f} tok/s, "
-                         f"TPOT p50 {1e3 * (rec['tpot_s'].get('p50') or 0):.1f} ms, {rec['failed']} failed")
+                         f"TPOT p50 {1e3 * (rec['tpot_s'].get('median') or 0):.1f} ms, {rec['failed']} failed")
     base = args.variants[0]
     lines = [f"placement: {spec.dataset}, {args.output_len} output tokens, {args.rounds} rounds in rotation "
              f"(medians); int4 limit of later variants pinned to {' '.join(pinned) or 'nothing (no int4)'}",
