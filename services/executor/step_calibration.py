@@ -72,7 +72,9 @@ def crossover(runner, use_rows: Callable[[int], None], label: str, context: int,
             break
         meta = BatchMetadata.from_step(step, runner.block_size, runner.num_kv_blocks, runner.device)
         t_dense = t_quant = float("inf")
-        for rep in range(reps + 1):
+        # steps of over 64 rows last long enough (0.1-0.7 s) that one timed round each way is
+        # steady; more rounds would add ~10 s to every start
+        for rep in range((reps if m <= 64 else 1) + 1):
             use_rows(0)
             dense = _forward_time(runner, meta)
             use_rows(m)
