@@ -46,8 +46,8 @@ CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ALL_ROWS = 1 << 30  # a row limit no step reaches: the quantized copy serves every step
 
 
-def rows_text(max_rows: int) -> str:
-    return "every step" if max_rows >= ALL_ROWS else f"steps of at most {max_rows} tokens"
+def rows_text(max_rows: int, unit: str = "tokens") -> str:
+    return "every step" if max_rows >= ALL_ROWS else f"steps of at most {max_rows} {unit}"
 
 
 @dataclass
@@ -329,4 +329,4 @@ def attach_int8_head(model, copy: Int8Weight | Q8Weight, dtype: torch.dtype, max
     copy.max_rows = max_rows
     model.head_int8 = copy
     mib = copy.nbytes / 2**20
-    return f"int8 copy of the head ({mib:.0f} MiB) serves {rows_text(max_rows).replace('tokens', 'sampled rows')}"
+    return f"int8 copy of the head ({mib:.0f} MiB) serves {rows_text(max_rows, 'sampled rows')}"

@@ -111,6 +111,6 @@ def calibrate_runner(runner, context: int = 128) -> list[str]:
             head.max_rows = m
 
         rows = crossover(runner, use_head, "int8 head", context)
-        chosen.append(f"the int8 head serves {rows_text(rows).replace('tokens', 'sampled rows')} "
+        chosen.append(f"the int8 head serves {rows_text(rows, 'sampled rows')} "
                       "(timed on decode steps)")
     return chosen
