@@ -83,6 +83,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     parser.add_argument("--swap-space", default=None, help="bytes of host memory for swapped KV (e.g. 4GiB)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="the scheduler builds each step only once the previous one's result is back")
     parser.add_argument("--kv-policy", default="paged",
                         choices=["paged", "reserve-max", "reserve-pow2", "reserve-oracle"])
     parser.add_argument("--tokenizer-replicas", type=int, default=1)
@@ -197,6 +199,7 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses,
     if getattr(args, "step_timeout", None) is not None:
         scheduler += ["--step-timeout", str(args.step_timeout)]
     scheduler += [] if args.prefix_caching else ["--no-prefix-caching"]
+    scheduler += [] if getattr(args, "async_scheduling", True) else ["--no-async-scheduling"]
     gateway = model + ["--host", args.host, "--port", str(args.port), "--served-model-name", served,
                        "--request-timeout", str(args.request_timeout)] + exposure_argv(args)
 

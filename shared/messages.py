@@ -310,14 +310,20 @@ class SeqSampling(Struct, frozen=True):
         return self.needs_history or self.structured is not None or bool(self.bad_words_ids)
 
 
+# A step built before the result of the step in flight (async scheduling) does not know
+# the tokens that step samples: token_ids == [PREVIOUS_TOKEN] stands for the token this
+# sequence (request_id, seq_index) sampled in the step the executor ran just before.
+PREVIOUS_TOKEN = -1
+
+
 class ScheduledSeq(Struct):
     """One sequence's share of a step: its new tokens and where their KV goes.
 
-    token_ids are the tokens to run at positions start_pos..start_pos+len-1; the
-    sequence attends over start_pos + len tokens of context through block_table;
-    slot_mapping gives each new token's flat slot (block * block_size + offset).
-    When sample is set, the last token's logits are sampled; output_index is the
-    index of the token being produced, which seeds it reproducibly.
+    token_ids are the tokens to run at positions start_pos..start_pos+len-1 (or
+    [PREVIOUS_TOKEN]); the sequence attends over start_pos + len tokens of context
+    through block_table; slot_mapping gives each new token's flat slot (block *
+    block_size + offset). When sample is set, the last token's logits are sampled;
+    output_index is the index of the token being produced, which seeds it reproducibly.
     """
 
     request_id: str

@@ -16,6 +16,7 @@ from services.scheduler.service import SchedulerService, add_args
 from shared import transport
 from shared.config import ADDRESS_NAMES, Addresses
 from shared.messages import (
+    PREVIOUS_TOKEN,
     ExecuteStep,
     ExecutorReady,
     ExecutorToScheduler,
@@ -34,12 +35,12 @@ from shared.transport import DealerSocket, PullSocket, PushSocket, _Typed
 class Stage:
     """A scheduler service in a thread, with the test as its executor."""
 
-    def __init__(self, num_kv_blocks: int = 64, vocab_size: int = 0):
+    def __init__(self, num_kv_blocks: int = 64, vocab_size: int = 0, argv: tuple[str, ...] = ()):
         self.ctx = zmq.Context()
         self.addrs = Addresses(**{name: f"inproc://{name}" for name in ADDRESS_NAMES})
         parser = argparse.ArgumentParser()
         add_args(parser)
-        self.service = SchedulerService(parser.parse_args(self.addrs.as_argv()), self.ctx)
+        self.service = SchedulerService(parser.parse_args([*self.addrs.as_argv(), *argv]), self.ctx)
         self.executor_in = PullSocket(self.ctx, self.addrs.executor_in, SchedulerToExecutor, bind=False)
         self.executor_out = PushSocket(self.ctx, self.addrs.executor_out, ExecutorToScheduler, bind=False)
         self.nan_for: set[str] = set()  # requests whose beams get NaN logprobs
@@ -251,3 +252,41 @@ def test_a_step_s_tokens_reach_a_replica_as_one_frame(stage):
         for d in f.deltas if isinstance(f, StepDeltas) else [f]:
             got.setdefault(d.request_id, []).extend(d.token_ids)
     assert sorted(got) == [f"r{i}" for i in range(4)] and all(len(t) == 3 for t in got.values())
+
+
+def steps_sent(stage: Stage, wait_s: float) -> list[ExecuteStep]:
+    """The steps the scheduler sends within wait_s, unanswered."""
+    steps, deadline = [], time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        steps += [m for m in stage.executor_in.recv_nowait() if isinstance(m, ExecuteStep)]
+        time.sleep(0.005)
+    return steps
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_next_step_goes_out_before_the_result_of_the_one_in_flight(async_scheduling):
+    """Async scheduling: a second step, continuing with the token the first samples, is sent
+    before the first is answered; never a third. Without it, one step at a time."""
+    stage = Stage(argv=() if async_scheduling else ("--no-async-scheduling",))
+    try:
+        tok = stage.tokenizer("t0")
+        tok.send(honest("one", 4))
+        sent = steps_sent(stage, 1.0)
+        assert [len(s.seqs[0].token_ids) for s in sent] == ([5, 1] if async_scheduling else [5])
+        if async_scheduling:
+            ahead = sent[1].seqs[0]
+            assert ahead.token_ids == [PREVIOUS_TOKEN] and ahead.start_pos == 5 and ahead.output_index == 1
+        tokens = []
+        while len(tokens) < 4:
+            for step in sent:  # the executor answers in order, with the placeholder's token being 7 too
+                stage.executor_out.send(StepResult(step.step_id, [7], 0.001))
+            sent = steps_sent(stage, 0.2)
+            assert len(sent) <= (2 if async_scheduling else 1)
+            for frame in tok.recv_nowait():
+                for d in frame.deltas if isinstance(frame, StepDeltas) else [frame]:
+                    tokens += d.token_ids
+        assert tokens == [7, 7, 7, 7] and not sent
+        stats = stage.service.scheduler.stats()
+        assert stats.num_steps_total == 4 and stats.decode_steps_total == 3
+    finally:
+        stage.close()

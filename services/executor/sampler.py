@@ -27,6 +27,15 @@ def draw_seed(seed: int, output_index: int) -> int:
     return int.from_bytes(digest, "little") >> 1  # manual_seed wants < 2**63 here
 
 
+def greedy_tokens(logits: Tensor, rows: list[int]) -> list[int]:
+    """The argmax of these rows (the first of equal maxima). On the CPU numpy's: torch's
+    argmax over a 49k vocabulary takes ~100 us a row on an AVX2 CPU, numpy's ~6 us."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        values = logits.numpy()
+        return (values if len(rows) == len(values) else values[rows]).argmax(axis=-1).tolist()
+    return logits[rows].argmax(dim=-1).tolist()
+
+
 class Sampler:
     def __init__(self, seed: int | None = None, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
@@ -52,7 +61,7 @@ class Sampler:
         out = [0] * len(params)
         greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_BELOW]
         if greedy:
-            for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True):
+            for i, token in zip(greedy, greedy_tokens(logits, greedy), strict=True):
                 out[i] = token
         rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
         if rows:

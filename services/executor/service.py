@@ -1,8 +1,10 @@
 """The executor stage: takes ExecuteSteps from the scheduler, runs them, sends back sampled tokens.
 
 It connects to the scheduler's two bound sockets, announces its KV pool with
-`ExecutorReady`, then runs one step at a time. A step that raises is reported as
-`StepFailed` and the executor keeps serving. A `SchedulerHello` (a scheduler that
+`ExecutorReady`, then runs one step at a time, in the order they come; a step the
+scheduler built before the previous one's result (async scheduling) names the tokens
+that step sampled as placeholders, filled in here (`previous_tokens`). A step that
+raises is reported as `StepFailed` and the executor keeps serving. A `SchedulerHello` (a scheduler that
 restarted and has no pool) is answered with the same `ExecutorReady` again.
 SIGTERM/SIGINT end it after the step in flight.
 
@@ -32,6 +34,7 @@ import zmq
 
 from services.executor.kv_cache import parse_size
 from services.executor.model_runner import ModelRunner
+from services.executor.previous_tokens import PreviousTokens
 from services.executor.tp_group import KEEPALIVE_S, GroupBroken, TPGroup
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
 from shared.curve import stage_keys
@@ -117,6 +120,7 @@ class Executor:
         self.state = "loading model"
         self.stop = threading.Event()
         self.broken: GroupBroken | None = None
+        self.previous = PreviousTokens()  # the last step's tokens, for a step built ahead of its result
 
     def run(self) -> int:
         args = self.args
@@ -164,6 +168,12 @@ class Executor:
                 if isinstance(step, SchedulerHello):
                     results.send(ready)
                 elif step is not None:
+                    refused = self.previous.fill(step)
+                    if refused is not None:
+                        log.error("%s", refused)
+                        self.previous.clear()
+                        results.send(StepFailed(step_id=step.step_id, message=refused))
+                        continue
                     group.send(step)
                     results.send(self.execute(runner, step))
                     if self.broken is not None:
@@ -205,16 +215,20 @@ class Executor:
         pass of this rank's own that failed under tensor parallelism is answered, and
         `self.broken` then ends the rank."""
         try:
-            return runner.run(step)
+            result = runner.run(step)
         except GroupBroken as exc:
+            self.previous.clear()
             if exc.peer_lost:
                 raise
             log.exception("step %d failed", step.step_id)
             self.broken = exc
             return StepFailed(step_id=step.step_id, message=str(exc))
         except Exception as exc:
+            self.previous.clear()
             log.exception("step %d failed", step.step_id)
             return StepFailed(step_id=step.step_id, message=f"{type(exc).__name__}: {exc}")
+        self.previous.record(step, result)
+        return result
 
     def follow(self, runner: ModelRunner, group: TPGroup) -> int:
         """Ranks > 0: run every step rank 0 hands over, until it stops (0) or the group breaks (1)."""

@@ -30,7 +30,14 @@ from services.scheduler.request import Request, RequestStatus
 from services.scheduler.swap_space import SwapSpace
 from services.scheduler.token_history import TokenHistory
 from services.scheduler.validation import request_problem, token_limit
-from shared.messages import ExecuteStep, ScheduledSeq, SchedulerStats, TokenDelta, TokenLogprob
+from shared.messages import (
+    PREVIOUS_TOKEN,
+    ExecuteStep,
+    ScheduledSeq,
+    SchedulerStats,
+    TokenDelta,
+    TokenLogprob,
+)
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +279,83 @@ class Scheduler:
                 self._doom(req, exc)  # its siblings may sit before i: scan again from the start
                 i = 0
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if not preempted:
+            self._admit_waiting(budget, chunks, swap_in)
+        return self._assemble(chunks, self._seqs(chunks), copies, swap_out, swap_in)
+
+    def schedule_ahead(self, in_flight: list[ScheduledChunk]) -> tuple[ExecuteStep, list[ScheduledChunk]] | None:
+        """The step after the one in flight, built before its result is back (async
+        scheduling), so that the executor starts it as soon as it is done with that one.
+
+        Each running sequence that samples in the step in flight runs the token it samples
+        there (`PREVIOUS_TOKEN`, which the executor fills in), one position further on;
+        waiting requests are admitted as in `schedule`. It never preempts: a sequence that
+        finishes by length with that token, or finds no room, is left out. None, with
+        nothing changed, when a running sequence needs the result first: it did not
+        sample in that step (a prompt chunk, a new fork, a sequence left out before), or its
+        sampling reads its own output (penalties, grammars, bad words) or is a beam's. The
+        step after that result is then built by `schedule`, which may preempt.
+
+        The results apply as `schedule`'s do, in step order: by the time this step's
+        result comes, the one in flight has added its token, and each of this step's
+        chunks is an ordinary one-token decode chunk. A sequence that the earlier result
+        finished (EOS, a stop token) computed one token for nothing, and its chunk here is
+        skipped like any sequence that ended while its step ran.
+        """
+        going = self._ahead_of(in_flight)
+        if going is None:
+            return None
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        seqs: list[ScheduledSeq | None] = []
+        copies: list[tuple[int, int]] = []
+        for req, start in going:
+            n = start + 1 - req.num_computed_tokens  # the tokens in flight, then this one
+            if budget <= 0 or not self.blocks.can_append(req, n):
+                continue
+            copies += self.blocks.append_slots(req, n)
+            chunks.append(ScheduledChunk(req, 1))
+            seqs.append(self._ahead_seq(req, start))
+            budget -= 1
+        admitted: list[ScheduledChunk] = []
+        swap_in: list[tuple[int, int]] = []
+        self._admit_waiting(budget, admitted, swap_in)
+        return self._assemble(chunks + admitted, seqs + self._seqs(admitted), copies, [], swap_in)
+
+    def _ahead_of(self, in_flight: list[ScheduledChunk]) -> list[tuple[Request, int]] | None:
+        """The running sequences `schedule_ahead` can step, each with the position its next
+        token goes to; None when one of them must wait for the result in flight."""
+        sampling = {id(c.request): c for c in in_flight if c.samples}
+        going = []
+        for req in self.running:
+            if req.reply_to in self.held:
+                continue  # not stepped by either kind of step until released
+            chunk = sampling.get(id(req))
+            if (chunk is None or req.pending_forks or req.params.use_beam_search
+                    or req.sampling.needs_output or req.sampling.structured is not None):
+                return None
+            # its token in flight is its last (max_tokens, or the context is full): nothing after it
+            if req.num_output_tokens + 1 < req.params.max_tokens and req.num_tokens + 1 < self.config.max_model_len:
+                going.append((req, req.num_computed_tokens + chunk.num_tokens))
+        return going
+
+    def _ahead_seq(self, req: Request, start: int) -> ScheduledSeq:
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=[PREVIOUS_TOKEN],
+            start_pos=start,
+            block_table=list(req.block_table),
+            slot_mapping=self.blocks.slot_mapping(req, start, 1),
+            sample=True,
+            output_index=req.num_output_tokens + 1,
+            sampling=req.sampling,
+            prompt_logprobs=req.params.prompt_logprobs or 0,
+            seq_index=req.seq_index,
+        )
+
+    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk], swap_in: list[tuple[int, int]]) -> None:
+        """Admit waiting sequences in order while the budget, the running cap and the pool allow."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting()
             if req is None:
                 break
@@ -285,6 +368,8 @@ class Scheduler:
             if chunks and chunks[-1].request is req:
                 budget -= chunks[-1].num_tokens
 
+    def _seqs(self, chunks: list[ScheduledChunk]) -> list[ScheduledSeq | None]:
+        """The step's entries of these chunks; None for one whose request failed building it."""
         seqs = []
         for c in chunks:
             try:
@@ -292,6 +377,11 @@ class Scheduler:
             except Exception as exc:
                 self._doom(c.request, exc)
                 seqs.append(None)
+        return seqs
+
+    def _assemble(self, chunks: list[ScheduledChunk], seqs: list[ScheduledSeq | None], copies: list[tuple[int, int]],
+                  swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                  ) -> tuple[ExecuteStep, list[ScheduledChunk]] | None:
         # A failure drops every chunk of its request; the failed request's blocks are
         # freed only now, so no other sequence of this step was given one of them.
         kept = [(seq, c) for seq, c in zip(seqs, chunks, strict=True) if not c.request.is_finished]

@@ -2,9 +2,13 @@
 
 Requests arrive from tokenizer replicas over a ROUTER socket (replies go back to the
 replica that sent them); one step at a time goes to the executor and its sampled
-tokens come back. The pool's size comes from the executor's `ExecutorReady`; a
-second `ExecutorReady` from a new executor instance means the executor restarted and
-lost the KV cache, so every running request is preempted and recomputed. A scheduler
+tokens come back. With async scheduling (the default) the step after is built and
+sent while the executor runs one (`Scheduler.schedule_ahead`), so it starts the next
+step as soon as it is done instead of waiting for a round trip; at most two steps
+are in flight, and results apply in the order the steps were sent. The pool's size
+comes from the executor's `ExecutorReady`; a second `ExecutorReady` from a new
+executor instance means the executor restarted and lost the KV cache, so every
+running request is preempted and recomputed. A scheduler
 that has no pool yet says `SchedulerHello` every HELLO_INTERVAL_S, so an executor that
 outlived the previous scheduler announces itself again.
 
@@ -25,6 +29,8 @@ import logging
 import os
 import signal
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -43,6 +49,7 @@ from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
 from shared.messages import (
     AbortRequest,
+    ExecuteStep,
     ExecutorReady,
     ExecutorToScheduler,
     FinishRequest,
@@ -72,6 +79,13 @@ STEP_TIMEOUT_S = 120.0  # the executor answers a step within this, or it is lost
 WARMUP_FACTOR = 5  # the first step after an executor announces itself may compile kernels
 
 
+@dataclass(frozen=True)
+class StepInFlight:
+    step_id: int
+    chunks: list[ScheduledChunk]
+    started: float  # when it was built, or the result before it came (perf_counter)
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="engine-0", help="the engine this scheduler leads (data parallelism)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="max running requests")
@@ -83,6 +97,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="do not reuse cached KV blocks of identical prompt prefixes")
     parser.add_argument("--kv-policy", choices=KV_POLICIES, default="paged",
                         help="paged (blocks on demand) or a contiguous-reservation baseline of the paper")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="build each step only once the previous one's result is back (by default the next "
+                             "step is built and sent while the executor runs the current one)")
     parser.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S,
                         help="seconds the executor may take to answer a step before it is treated as lost (its "
                              f"requests are recomputed when it answers again); {WARMUP_FACTOR}x that for the "
@@ -109,7 +126,8 @@ class SchedulerService:
         self.executor_id: str | None = None
         self.executor_instance: str | None = None
         self.hello_at = 0.0
-        self.in_flight: tuple[int, list[ScheduledChunk], float] | None = None  # id, chunks, start
+        # steps sent and not answered, oldest first: two while one is built ahead of the other's result
+        self.in_flight: deque[StepInFlight] = deque()
         self.result_at: float | None = None  # when the last step's result came, while work kept waiting
         self.executor_lost: str | None = None  # why, while the executor does not answer
         self.executor_warm = False  # it answered a step since it announced itself
@@ -172,14 +190,16 @@ class SchedulerService:
             log.warning("executor %s (re)started: recomputing %d running requests", msg.executor_id,
                         len(self.scheduler.running))
             self.scheduler.preempt_all()
-            self.in_flight = None
+            self.in_flight.clear()
         self.executor_id = msg.executor_id
 
     def on_step_done(self, msg: StepResult | StepFailed) -> None:
-        if self.in_flight is None or msg.step_id != self.in_flight[0]:
+        if not self.in_flight or msg.step_id != self.in_flight[0].step_id:
             return  # a step from before an executor restart
-        _, chunks, started = self.in_flight
-        self.in_flight = None
+        step = self.in_flight.popleft()
+        chunks = step.chunks
+        # a step sent ahead began when the executor was done with the one before
+        started = step.started if self.result_at is None else max(step.started, self.result_at)
         self.result_at = time.perf_counter()
         self.executor_warm = True
         beams, logprobs, scored = self.scheduler.expected_outputs(chunks)
@@ -300,9 +320,9 @@ class SchedulerService:
         """An executor that does not answer the step in flight in time is lost, as if it
         had died: every running request is preempted, and recomputed once it answers a
         SchedulerHello (the same instance, thawed) or announces itself (a new one)."""
-        if self.in_flight is None:
+        if not self.in_flight:
             return
-        step_id, _, started = self.in_flight
+        step_id, started = self.in_flight[0].step_id, self.in_flight[0].started
         waited = time.perf_counter() - started
         if waited <= self.args.step_timeout * (1 if self.executor_warm else WARMUP_FACTOR):
             return
@@ -310,9 +330,14 @@ class SchedulerService:
         log.error("executor lost: %s; preempting %d running requests until it answers again", self.executor_lost,
                   len(self.scheduler.running))
         self.scheduler.preempt_all()
-        self.in_flight, self.hello_at = None, 0.0
+        self.in_flight.clear()
+        self.hello_at = 0.0
 
     # --- the loop ---------------------------------------------------------------------
+
+    def _send_step(self, step: ExecuteStep, chunks: list[ScheduledChunk], started: float) -> None:
+        self.steps_out.send(step)
+        self.in_flight.append(StepInFlight(step.step_id, chunks, started))
 
     def serve(self) -> None:
         self.heartbeat.start()
@@ -323,7 +348,7 @@ class SchedulerService:
             if lost and time.monotonic() - self.hello_at > HELLO_INTERVAL_S:
                 self.steps_out.send_nowait(SchedulerHello(INSTANCE_ID))
                 self.hello_at = time.monotonic()
-            can_step = self.in_flight is None and not lost and self.scheduler.has_work
+            can_step = not self.in_flight and not lost and self.scheduler.has_work
             idle_ms = BACKLOG_POLL_MS if self.outbox.held else 100
             if self.watch.active:
                 idle_ms = min(idle_ms, int(self.watch.interval_s * 1000))
@@ -350,17 +375,20 @@ class SchedulerService:
                         self.on_executor_ready(msg)
                     else:
                         self.on_step_done(msg)
-            if self.in_flight is None and not (self.scheduler and self.scheduler.has_work):
+            if not self.in_flight and not (self.scheduler and self.scheduler.has_work):
                 self.result_at = None  # idle: the wait for new work is not step time
-            if self.in_flight is None and self.scheduler and self.executor_lost is None and self.scheduler.has_work:
+            if not self.in_flight and self.scheduler and self.executor_lost is None and self.scheduler.has_work:
                 started = time.perf_counter() if self.result_at is None else self.result_at
                 scheduled = self.scheduler.schedule()
                 self._report_failures()
                 stalled = scheduled is None
                 if scheduled is not None:
-                    step, chunks = scheduled
-                    self.steps_out.send(step)
-                    self.in_flight = (step.step_id, chunks, started)
+                    self._send_step(*scheduled, started)
+            if len(self.in_flight) == 1 and self.args.async_scheduling and self.executor_lost is None:
+                ahead = self.scheduler.schedule_ahead(self.in_flight[0].chunks)
+                self._report_failures()
+                if ahead is not None:
+                    self._send_step(*ahead, time.perf_counter())
             self._flush_replies()  # after the next step left: the executor is not kept waiting for them
             if self.scheduler is not None and time.monotonic() - self.stats_at >= STATS_INTERVAL_S:
                 self.refresh_stats()
