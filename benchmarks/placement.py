@@ -1,6 +1,7 @@
 """Where the executor's compute threads lose time to the other stages on a small CPU: variants side by side.
 
     python -m benchmarks.placement [--concurrency 1 16] [--rounds 3] [--variants default,passive,threads-1,nice]
+    python -m benchmarks.placement --variants default,sync   # async scheduling on (default) and off
 
 On a 2-core machine the gateway, tokenizer/detokenizer and scheduler wake on every
 step while the executor's OpenMP team wants both cores; a preempted worker stalls
@@ -10,14 +11,19 @@ so each calibrates on a quiet machine; later variants are pinned to the first
 one's int4 row limit, so only the placement differs), then runs closed-loop
 points against them in rotation for `--rounds` rounds, so host drift hits every
 variant alike. Prints per variant and C the median over rounds of output tok/s
-and TPOT p50, and the ratio to the first variant.
+and TPOT p50, the ratio to the first variant, and the share of a decode step's
+wall time spent outside the model's forward pass (the engine's own counters on
+/metrics, read before and after each point).
 
 Variants (`--variants`, comma-separated; the first is the baseline):
 - default: pagedserve's defaults (torch's threads = the cores, libgomp's default wait policy);
 - passive: OMP_WAIT_POLICY=PASSIVE in every stage (idle OpenMP workers sleep at once);
 - active: OMP_WAIT_POLICY=ACTIVE (workers spin between parallel regions);
 - threads-1: one executor thread (leaves a core to the other stages);
-- nice: `--frontend-nice 10` (gateway and tokenizer yield to the executor and scheduler).
+- nice: `--frontend-nice 10` (gateway and tokenizer yield to the executor and scheduler);
+- spin-N (e.g. spin-10000): GOMP_SPINCOUNT=N in every stage (how long an idle OpenMP worker
+  spins before it sleeps; libgomp's default is 300000 spins, PASSIVE is 0);
+- sync: `--no-async-scheduling` (each step is built only once the previous result is back).
 
 The workload is serve_vs_peers's (ShareGPT prompts when installed, 64 output tokens, greedy,
 ignore_eos). Idle servers only send heartbeats; their cost shows as the spread between rounds.
@@ -30,6 +36,8 @@ import contextlib
 import re
 import statistics
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 from benchmarks.serve_vs_peers import Trace, _log, dataset, point
@@ -45,8 +53,37 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "active": ((), {"OMP_WAIT_POLICY": "ACTIVE"}),
     "threads-1": (("--executor-threads", "1"), {}),
     "nice": (("--frontend-nice", "10"), {}),
+    "sync": (("--no-async-scheduling",), {}),
 }
+STEP_COUNTERS = ("pagedserve_decode_steps_total", "pagedserve_decode_step_seconds_total",
+                 "pagedserve_decode_forward_seconds_total")
+
 INT4_ROWS = re.compile(r"int4 linears serve (?:steps of at most (\d+) tokens|(every step))")
+
+
+def variant(name: str) -> tuple[tuple[str, ...], dict[str, str]] | None:
+    """A variant's extra serve options and environment; None for an unknown name."""
+    spins = name.removeprefix("spin-")
+    if spins != name and spins.isdigit():
+        return (), {"GOMP_SPINCOUNT": spins}
+    return VARIANTS.get(name)
+
+
+def step_counters(url: str) -> dict[str, float]:
+    """The engine's decode-step counters from /metrics, once its heartbeats (every 0.25 s) caught up."""
+    time.sleep(0.6)
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith(name + " ") or line.startswith(name + "{"))
+            for name in STEP_COUNTERS}
+
+
+def outside_share(before: dict[str, float], after: dict[str, float]) -> float:
+    """Of the decode steps' wall time between the two readings, the share outside the forward pass."""
+    wall = after[STEP_COUNTERS[1]] - before[STEP_COUNTERS[1]]
+    forward = after[STEP_COUNTERS[2]] - before[STEP_COUNTERS[2]]
+    return (wall - forward) / wall if wall > 0 else float("nan")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,9 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", default="out/placement/logs")
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(args.variants) - set(VARIANTS)
+    unknown = {v for v in args.variants if variant(v) is None}
     if unknown or not args.variants:
-        p.error(f"--variants: choose from {', '.join(VARIANTS)}")
+        p.error(f"--variants: choose from {', '.join(VARIANTS)}, spin-N")
     return args
 
 
@@ -83,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         targets = {}
         for name in args.variants:
-            options, env = VARIANTS[name]
+            options, env = variant(name)
             peer = launch.Peer("pagedserve", Path(args.log_dir), options=options + pinned, env=env, model=args.model,
                                startup_timeout=900.0, log_name=f"placement-{name}")
             _log(f"starting {name}: {' '.join(options + pinned)} {env or ''}")
@@ -97,15 +134,18 @@ def main(argv: list[str] | None = None) -> int:
             order = args.variants[r % len(args.variants):] + args.variants[: r % len(args.variants)]
             for name in order:
                 for c in args.concurrency:
+                    before = step_counters(targets[name].url)
                     rec = point(targets[name], trace, c, args, tokenizer)
+                    rec["outside"] = outside_share(before, step_counters(targets[name].url))
                     results[name][c].append(rec)
                     _log(f"round {r + 1} {name} C={c}: {rec['output_tok_s']:.1f} tok/s, "
-                         f"TPOT p50 {1e3 * (rec['tpot_s'].get('median') or 0):.1f} ms, {rec['failed']} failed")
+                         f"TPOT p50 {1e3 * (rec['tpot_s'].get('median') or 0):.1f} ms, "
+                         f"outside the forward {100 * rec['outside']:.1f}%, {rec['failed']} failed")
     base = args.variants[0]
     lines = [f"placement: {spec.dataset}, {args.output_len} output tokens, {args.rounds} rounds in rotation "
              f"(medians); int4 limit of later variants pinned to {' '.join(pinned) or 'nothing (no int4)'}",
              f"{'variant':>10} {'C':>4} {'tok/s':>8} {'TPOT p50 ms':>12} {'tok/s vs ' + base:>16} "
-             f"{'TPOT vs ' + base:>15}  per round tok/s"]
+             f"{'TPOT vs ' + base:>15} {'outside fwd':>12}  per round tok/s"]
     for name in args.variants:
         for c in args.concurrency:
             recs = results[name][c]
@@ -114,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             btok = statistics.median(r["output_tok_s"] for r in results[base][c])
             btpot = statistics.median((r["tpot_s"].get("median") or float("nan")) for r in results[base][c]) * 1e3
             rounds = " ".join(f"{r['output_tok_s']:.1f}" for r in recs)
-            lines.append(f"{name:>10} {c:>4} {tok:8.1f} {tpot:12.1f} {tok / btok:15.2f}x {tpot / btpot:14.2f}x  "
-                         f"{rounds}")
+            outside = statistics.median(r["outside"] for r in recs) * 100
+            lines.append(f"{name:>10} {c:>4} {tok:8.1f} {tpot:12.1f} {tok / btok:15.2f}x {tpot / btpot:14.2f}x "
+                         f"{outside:11.1f}%  {rounds}")
     print("\n".join(lines))
     return 0
 
