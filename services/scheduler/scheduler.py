@@ -331,8 +331,7 @@ class Scheduler:
             if req.reply_to in self.held:
                 continue  # not stepped by either kind of step until released
             chunk = sampling.get(id(req))
-            if (chunk is None or req.pending_forks or req.params.use_beam_search
-                    or req.sampling.needs_output or req.sampling.structured is not None):
+            if chunk is None or req.pending_forks or req.params.use_beam_search or req.sampling.needs_output:
                 return None
             # its token in flight is its last (max_tokens, or the context is full): nothing after it
             if req.num_output_tokens + 1 < req.params.max_tokens and req.num_tokens + 1 < self.config.max_model_len:
