@@ -38,7 +38,8 @@ class AttentionBackend:
     silu_and_mul: Callable = reference.silu_and_mul
     rope_and_cache: Callable = reference.rope_and_cache
     int8_group_linear: Callable = reference.int8_group_linear
-    q4_linear: Callable | None = None  # packed Q4_1 weights (kernels.reference.q4_linear); None: not offered
+    # packed Q4_1 weights (kernels.reference.q4_linear; may take out=, a float32 tensor to fill); None: not offered
+    q4_linear: Callable | None = None
 
 
 _BACKENDS: dict[str, AttentionBackend] = {

@@ -185,3 +185,26 @@ def test_the_head_uses_its_int8_copy_only_up_to_max_rows(tiny_model_dir, tmp_pat
     tol = 1e-4 if isinstance(head, q.Int8Weight) else 0.02 * float(dense.abs().max())
     assert torch.allclose(small, dense[:2], rtol=1e-4, atol=tol)
     assert torch.equal(large, dense)
+
+
+def test_step_forward_equals_forward_and_reuses_its_buffer_for_few_rows():
+    from kernels.cpu.backend import backend
+    from services.executor.models import llama
+
+    cpu = backend()
+    if cpu is None:
+        pytest.skip("the C++ CPU kernels did not build")
+    lin = Linear(128, 64, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(q4_1_values(64, 128))
+    lin.int4 = q.quantize_q4(lin.weight.data, cpu.q4_linear)
+    lin.int4.max_rows = 64
+    x = torch.randn(40, 128)
+    with torch.inference_mode():
+        for n in (1, 3, llama.REUSED_ROWS, llama.REUSED_ROWS + 1, 40):
+            fresh, kept = lin.forward(x[:n]), lin.step_forward(x[:n])
+            assert torch.equal(kept, fresh), n
+            assert (kept.data_ptr() == lin._out.data_ptr()) == (n <= llama.REUSED_ROWS), n
+        first = lin.step_forward(x[:2]).clone()
+        again = lin.step_forward(x[2:4])  # the same buffer: the earlier result is gone, as documented
+        assert torch.equal(again, lin.forward(x[2:4])) and not torch.equal(again, first)

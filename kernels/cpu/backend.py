@@ -63,8 +63,10 @@ def make_backend(ext) -> AttentionBackend:
         kernels().int8_group_linear(out, x.contiguous(), qweight, scales)
         return out
 
-    def q4_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor) -> Tensor:
-        out = torch.empty(x.shape[0], d.shape[0] * d.shape[2], dtype=torch.float32)
+    def q4_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor, out: Tensor | None = None) -> Tensor:
+        """out: a float32 [rows, out_features] to write into instead of a new tensor."""
+        if out is None:
+            out = torch.empty(x.shape[0], d.shape[0] * d.shape[2], dtype=torch.float32)
         kernels().q4_linear(out, x.contiguous(), packed, d, mn)
         return out if x.dtype == torch.float32 else out.to(x.dtype)  # 120 calls a step: skip the no-op
 

@@ -80,8 +80,9 @@ class Q4Weight:
     op: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
     max_rows: int = 0
 
-    def matmul(self, x: Tensor) -> Tensor:
-        return self.op(x, self.packed, self.d, self.m)
+    def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """x @ w.T; into out (float32 [rows, out_features]) when given."""
+        return self.op(x, self.packed, self.d, self.m) if out is None else self.op(x, self.packed, self.d, self.m, out)
 
     @property
     def nbytes(self) -> int:
