@@ -40,7 +40,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks.serve_vs_peers import Trace, _log, dataset, point
+from benchmarks.serve_vs_peers import Trace, _log, dataset, point, point_offsets, point_requests
 from loadgen.datasets import WorkloadSpec
 from loadgen.peers import launch
 from loadgen.targets import Target
@@ -130,12 +130,14 @@ def main(argv: list[str] | None = None) -> int:
                 found = INT4_ROWS.findall(peer.log_path.read_text(errors="replace"))
                 if found:  # (rows, "") or ("", "every step")
                     pinned = ("--int4-max-rows", found[-1][0] or str(ALL_ROWS))
+        per_round = sum(point_requests(c, args) for c in args.concurrency)
         for r in range(args.rounds):
             order = args.variants[r % len(args.variants):] + args.variants[: r % len(args.variants)]
+            offsets = point_offsets(args.concurrency, args, r * per_round)  # each round new prompts, alike for all
             for name in order:
                 for c in args.concurrency:
                     before = step_counters(targets[name].url)
-                    rec = point(targets[name], trace, c, args, tokenizer)
+                    rec = point(targets[name], trace, c, args, tokenizer, offsets[c])
                     rec["outside"] = outside_share(before, step_counters(targets[name].url))
                     results[name][c].append(rec)
                     _log(f"round {r + 1} {name} C={c}: {rec['output_tok_s']:.1f} tok/s, "

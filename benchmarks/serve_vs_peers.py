@@ -108,7 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Trace:
-    """The seeded requests, drawn once and replayed from the start for every point."""
+    """The seeded requests, drawn once: every server gets the same ones for the same point, and
+    each point of a run its own (`point_offsets`), so no point finds its prompts in a prefix
+    cache an earlier point of the same server filled (llama.cpp restarts for every C; a
+    pagedserve that served C=16's prompts again at C=64 would skip their prefill)."""
 
     def __init__(self, spec: WorkloadSpec, tokenizer, output_len: int) -> None:
         self._source = workload(spec, tokenizer)
@@ -118,10 +121,10 @@ class Trace:
     def _fixed(self, req):
         return replace(req, output_len=self.output_len)
 
-    def first(self, n: int) -> list:
-        while len(self._drawn) < n:
+    def take(self, start: int, n: int) -> list:
+        while len(self._drawn) < start + n:
             self._drawn.append(self._fixed(next(self._source)))
-        return self._drawn[:n]
+        return self._drawn[start : start + n]
 
     def warmup(self, n: int) -> list:
         while len(self._warm) < n:
@@ -129,12 +132,25 @@ class Trace:
         return self._warm[:n]
 
 
-def point(target: Target, trace: Trace, concurrency: int, args, tokenizer) -> dict:
-    n = max(args.min_requests, math.ceil(args.waves * concurrency), concurrency + 1)
+def point_requests(concurrency: int, args) -> int:
+    return max(args.min_requests, math.ceil(args.waves * concurrency), concurrency + 1)
+
+
+def point_offsets(concurrencies: list[int], args, start: int = 0) -> dict[int, int]:
+    """Where in the trace each point's requests begin: one after the other."""
+    offsets = {}
+    for c in concurrencies:
+        offsets[c] = start
+        start += point_requests(c, args)
+    return offsets
+
+
+def point(target: Target, trace: Trace, concurrency: int, args, tokenizer, offset: int = 0) -> dict:
+    n = point_requests(concurrency, args)
     config = runner.LoadConfig(concurrency=concurrency, num_requests=n, duration=args.max_point_seconds,
                                warmup=args.warmup, progress=False, timeout=args.point_timeout,
                                deadline=args.point_timeout)
-    outcome = runner.run(target, trace.first(n), config, trace.warmup(args.warmup), tokenizer)
+    outcome = runner.run(target, trace.take(offset, n), config, trace.warmup(args.warmup), tokenizer)
     whole = summarize(outcome.results, outcome.duration_s)
     window = steady.closed_loop(outcome.results, concurrency)
     done = [r for r in window.measured if r.ok]
@@ -196,6 +212,7 @@ def logged_choices(log: Path) -> list[str]:
 
 def serve(kind: str, args, trace: Trace, tokenizer) -> dict:
     description, starts = configs(kind, args)
+    offsets = point_offsets(args.concurrency, args)
     out = {"config": description, "points": {}, "unavailable": unavailable(kind, args)}
     if out["unavailable"]:
         _log(f"{kind}: {out['unavailable']}")
@@ -212,7 +229,7 @@ def serve(kind: str, args, trace: Trace, tokenizer) -> dict:
                 for c in concurrencies:
                     began = time.monotonic()
                     try:
-                        rec = point(target, trace, c, args, tokenizer)
+                        rec = point(target, trace, c, args, tokenizer, offsets[c])
                     except (RuntimeError, ValueError, OSError, aiohttp.ClientError) as err:
                         out["points"][str(c)] = {"concurrency": c, "error": str(err).splitlines()[0][:200]}
                         _log(f"{kind} C={c}: {out['points'][str(c)]['error']}")
@@ -279,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                         max_output_len=args.output_len)
     tokenizer = load_tokenizer(args.tokenizer)
     trace = Trace(spec, tokenizer, args.output_len)
-    trace.first(1)
+    trace.take(0, 1)
     _log(f"workload ready ({spec.dataset})")
     servers = {kind: serve(kind, args, trace, tokenizer) for kind in args.targets}
 

@@ -108,14 +108,16 @@ def run(args) -> int:
 
 
 class _Replay:
-    """The measured trace, drawn once and replayed from its start; grows as a probe needs more."""
+    """The measured trace, drawn once and replayed for each target from its start; grows as probes
+    need more. Each probe of a target takes the requests after its previous probe's, so no probe
+    finds its prompts in a prefix cache an earlier probe filled."""
 
     def __init__(self, requests: Iterator) -> None:
         self._source, self._drawn = requests, []
 
-    def first(self, n: int) -> list:
-        self._drawn += itertools.islice(self._source, max(0, n - len(self._drawn)))
-        return self._drawn[:n]
+    def take(self, start: int, n: int) -> list:
+        self._drawn += itertools.islice(self._source, max(0, start + n - len(self._drawn)))
+        return self._drawn[start : start + n]
 
 
 def capacity(args) -> int:
@@ -136,12 +138,15 @@ def capacity(args) -> int:
     with contextlib.ExitStack() as stack:
         targets = _targets(args, stack)
         for target in targets:
-            def probe(rate: float, target=target) -> dict:
+            taken = [0]  # requests this target's probes used so far
+
+            def probe(rate: float, target=target, taken=taken) -> dict:
                 n = max(args.probe_min_requests, math.ceil(rate * args.probe_seconds))
                 # The whole probe is bounded: what is still in flight at the deadline fails it.
                 deadline = args.max_time or 2 * n / rate + 60
                 config = _config(args, request_rate=rate, num_requests=n, duration=None, deadline=deadline)
-                outcome = runner.run(target, trace.first(n), config, warmup, tokenizer)
+                outcome = runner.run(target, trace.take(taken[0], n), config, warmup, tokenizer)
+                taken[0] += n
                 summary = probe_summary(outcome.results, outcome.duration_s, args.warmup_frac, args.max_backlog)
                 summary["requests_sent"] = n
                 return summary

@@ -86,3 +86,15 @@ def test_lean_loop_matches_transformers(tiny_model_dir):
             torch.testing.assert_close(ours, hf(seq).logits[:, -1], rtol=1e-4, atol=1e-4)
             pos, tokens = pos + tokens.shape[1], ours.argmax(-1, keepdim=True)
             seq = torch.cat([seq, tokens], dim=1)
+
+
+
+def test_each_point_gets_its_own_requests():
+    """A server that keeps its prefix cache across points (pagedserve) must not meet an earlier
+    point's prompts again: the points' slices of the trace follow each other without overlap."""
+    args = serve_vs_peers.parse_args(["--concurrency", "1", "16", "64"])
+    offsets = serve_vs_peers.point_offsets(args.concurrency, args)
+    spans = [(offsets[c], offsets[c] + serve_vs_peers.point_requests(c, args)) for c in args.concurrency]
+    assert spans[0][0] == 0
+    assert all(end == start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+    assert all(end - start >= c for (start, end), c in zip(spans, args.concurrency, strict=True))

@@ -85,6 +85,9 @@ def test_capacity_command(tmp_path, capsys):
                    "--out", str(tmp_path / "cap.json")])
         # Per probe: 1 length-control request, 1 warm-up and max(16, 1 s x rate) measured requests.
         assert len(server.bodies) == (2 + 16) + (2 + 20)
+        # the second probe measures new requests: none of its prompts was cached by the first
+        prompts = [json.dumps(b.get("prompt") or b.get("messages")) for b in server.bodies]
+        assert len(set(prompts)) >= 16 + 20
     assert rc == 0
     data = json.loads((tmp_path / "cap.json").read_text())
     fake = data["targets"]["fake"]
