@@ -17,9 +17,16 @@ from hypothesis import strategies as st
 from services.executor.previous_tokens import PreviousTokens
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from services.scheduler.swap_space import SwapSpace
 from shared.messages import PREVIOUS_TOKEN, ExecuteStep, ScheduledSeq, SeqSampling, StepResult
-from tests.test_scheduler import FakeExecutor, make, reference_output, run_until_done
+from tests.test_scheduler import (
+    FakeExecutor,
+    apply_result,
+    check_random_run,
+    make,
+    random_run_setup,
+    reference_output,
+    run_until_done,
+)
 
 
 def run_pipelined(sched: Scheduler, max_steps=3_000, between=None, executor=None):
@@ -53,12 +60,7 @@ def run_pipelined(sched: Scheduler, max_steps=3_000, between=None, executor=None
         previous.record(step, StepResult(step.step_id, sampled, 0.0))
         beams, _, _ = sched.expected_outputs(chunks)
         assert beams == len(executor.top_logprobs)
-        for req, delta in sched.process_results(chunks, sampled, executor.top_logprobs):
-            key = req.request_id if req.params.n == 1 else (req.request_id, delta.seq_index)
-            outputs.setdefault(key, []).extend(delta.token_ids)
-            assert key not in finish, f"{key} got tokens after it finished"
-            if delta.finish_reason:
-                finish[key] = delta.finish_reason
+        apply_result(sched, chunks, sampled, executor.top_logprobs, outputs, finish)
         sched.check_invariants()
         if between:
             between(sched, step_no)
@@ -211,13 +213,7 @@ def test_random_workloads_pipelined_match_step_by_step(specs, mode, num_blocks, 
                 admitted.add(rid)
         return admitted
 
-    big = Scheduler(SchedulerConfig(), BlockManager(10_000, 4))
-    build(big)
-    expected, _ = run_until_done(big)
-    swap = SwapSpace(num_blocks * 2) if mode == "swap" else None
-    small = Scheduler(SchedulerConfig(preemption_mode=mode, max_num_batched_tokens=24), BlockManager(num_blocks, 4),
-                      swap)
-    admitted = build(small)
+    expected, small, admitted = random_run_setup(build, mode, num_blocks)
     aborts = {f"q{i}": at for i, (_, _, _, _, at, _) in enumerate(specs) if at % 5 == 0}
 
     def abort_some(s, step_no):
@@ -226,13 +222,7 @@ def test_random_workloads_pipelined_match_step_by_step(specs, mode, num_blocks, 
                 s.finish_request(rid, "abort")
 
     got, _, _ = run_pipelined(small, between=abort_some)
-    for key, tokens in got.items():
-        rid = key if isinstance(key, str) else key[0]
-        if rid not in aborts:
-            assert tokens == expected[key], key
-    ended_early = set(aborts) | {f"q{i}" for i in range(len(specs))} - admitted
-    assert {k if isinstance(k, str) else k[0] for k in set(expected) - set(got)} <= ended_early
-    assert not small.requests and small.blocks.num_used_blocks == 0
+    check_random_run(small, expected, got, aborts, {f"q{i}" for i in range(len(specs))} - admitted)
 
 
 # --- the executor's side -------------------------------------------------------------

@@ -74,18 +74,24 @@ def run_until_done(sched: Scheduler, max_steps=3_000, on_step=None, executor=Non
         if scheduled is None:
             break
         step, chunks = scheduled
-        sampled = executor.execute(step)
-        for req, delta in sched.process_results(chunks, sampled, executor.top_logprobs):
-            key = req.request_id if req.params.n == 1 else (req.request_id, delta.seq_index)
-            outputs.setdefault(key, []).extend(delta.token_ids)
-            if delta.finish_reason:
-                finish[key] = delta.finish_reason
+        apply_result(sched, chunks, executor.execute(step), executor.top_logprobs, outputs, finish)
         sched.check_invariants()
         if on_step:
             on_step(sched, step)
     else:
         raise AssertionError(f"no end after {max_steps} steps: {len(sched.running)} running, {len(sched.waiting)} waiting")
     return outputs, finish
+
+
+def apply_result(sched: Scheduler, chunks, sampled: list[int], top_logprobs, outputs: dict, finish: dict) -> None:
+    """Apply a step's result; its deltas' tokens and finish reasons go into outputs and finish,
+    keyed by request id, or (id, seq_index) for n > 1. No sequence gets tokens after its end."""
+    for req, delta in sched.process_results(chunks, sampled, top_logprobs):
+        key = req.request_id if req.params.n == 1 else (req.request_id, delta.seq_index)
+        assert key not in finish, f"{key} got tokens after it finished"
+        outputs.setdefault(key, []).extend(delta.token_ids)
+        if delta.finish_reason:
+            finish[key] = delta.finish_reason
 
 
 def next_token_from(seen: list[int]) -> int:
@@ -333,13 +339,7 @@ def test_random_workloads_keep_invariants_and_finish(specs, mode, num_blocks, sh
                 admitted.add(rid)
         return admitted
 
-    big = Scheduler(SchedulerConfig(), BlockManager(10_000, 4))
-    build(big)
-    expected, _ = run_until_done(big)
-    swap = SwapSpace(num_blocks * 2) if mode == "swap" else None
-    small = Scheduler(SchedulerConfig(preemption_mode=mode, max_num_batched_tokens=24), BlockManager(num_blocks, 4),
-                      swap)
-    admitted = build(small)
+    expected, small, admitted = random_run_setup(build, mode, num_blocks)
     aborts = {f"q{i}": at for i, (*_, at) in enumerate(specs) if at % 5 == 0}
     steps = [0]
 
@@ -350,13 +350,30 @@ def test_random_workloads_keep_invariants_and_finish(specs, mode, num_blocks, sh
                 s.finish_request(rid, "abort")
 
     got, _ = run_until_done(small, on_step=abort_some)
+    check_random_run(small, expected, got, aborts, {f"q{i}" for i in range(len(specs))} - admitted)
+
+
+def random_run_setup(build, mode: str, num_blocks: int) -> tuple[dict, Scheduler, set[str]]:
+    """The outputs `build`'s requests give on an unconstrained pool, and a small pool (preempting
+    by `mode`) with the same requests added: (expected, that scheduler, the ids it admitted)."""
+    big = Scheduler(SchedulerConfig(), BlockManager(10_000, 4))
+    build(big)
+    expected, _ = run_until_done(big)
+    swap = SwapSpace(num_blocks * 2) if mode == "swap" else None
+    small = Scheduler(SchedulerConfig(preemption_mode=mode, max_num_batched_tokens=24), BlockManager(num_blocks, 4),
+                      swap)
+    return expected, small, build(small)
+
+
+def check_random_run(sched: Scheduler, expected: dict, got: dict, aborted, refused: set[str]) -> None:
+    """Every request not aborted gave the unconstrained run's outputs; only aborted or refused
+    ones gave none; nothing is left in the pool."""
     for key, tokens in got.items():
         rid = key if isinstance(key, str) else key[0]
-        if rid not in aborts:
+        if rid not in aborted:
             assert tokens == expected[key], key
-    ended_early = set(aborts) | {f"q{i}" for i in range(len(specs))} - admitted
-    assert {k if isinstance(k, str) else k[0] for k in set(expected) - set(got)} <= ended_early
-    assert not small.requests and small.blocks.num_used_blocks == 0
+    assert {k if isinstance(k, str) else k[0] for k in set(expected) - set(got)} <= set(aborted) | refused
+    assert not sched.requests and sched.blocks.num_used_blocks == 0
 
 
 def test_a_failed_step_leaves_no_uncomputed_block_in_the_prefix_cache():
