@@ -3,10 +3,11 @@
 The watchdog tracks each engine (its scheduler and executor, by the engine named in their
 heartbeats). Several times a second, at once when the set of serving engines changes (so
 no request is routed by a stale set after /health shows the change), and at once before an
-engine's requests are sent again, every live tokenizer replica gets EngineLoads: the engines serving now with their
-running and waiting requests and KV usage (from their schedulers' heartbeats) and their
-schedulers' instance ids (a new one has an empty prefix cache), which their EngineRouters
-route by. With a single engine nothing is sent: there is nothing to choose.
+engine's requests are sent again, every live tokenizer replica gets EngineLoads: the
+engines serving now with their running and waiting requests and KV usage (from their
+schedulers' heartbeats) and their schedulers' instance ids (a new one has an empty prefix
+cache), which their EngineRouters route by. With a single engine nothing is sent: there
+is nothing to choose.
 """
 
 from __future__ import annotations
