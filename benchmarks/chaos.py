@@ -120,7 +120,7 @@ class Load:
             try:
                 call = self._stream(session, body, kind) if body.get("stream") else self._whole(session, body)
                 self.outcomes[i] = await asyncio.wait_for(call, self.hang_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.outcomes[i] = {"end": "hung"}
             except aiohttp.ClientError as exc:
                 self.outcomes[i] = {"end": "error", "status": 0, "error": repr(exc)}

@@ -63,7 +63,7 @@ class Load:
                     data = await resp.json()
                     ok = resp.status == 200
                     self.outcomes[i] = (resp.status, data["choices"][0]["token_ids"] if ok else data["error"])
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 self.outcomes[i] = (0, repr(exc))
             self.done += 1
 

@@ -38,7 +38,7 @@ def cpu_info() -> dict:
     return {"model": model, "cores": os.cpu_count(), "features": have,
             "summary": ", ".join(name if ok else f"no {name}" for name, ok in have.items()),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
 
 def gemm_rate(rows: int, in_features: int, out_features: int, dtype: torch.dtype, seconds: float = 0.3) -> float:

@@ -70,7 +70,7 @@ async def send(session: aiohttp.ClientSession, target: Target, req: Request, ind
                 else:
                     try:
                         line = await asyncio.wait_for(resp.content.readline(), max(0.0, finished_at + grace - time.perf_counter()))
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         break
                 if not line:
                     break
@@ -97,7 +97,7 @@ async def send(session: aiohttp.ClientSession, target: Target, req: Request, ind
                     result.prompt_len = event["usage"].get("prompt_tokens") or result.prompt_len
                     if finished_at is not None:
                         break
-    except asyncio.TimeoutError:
+    except TimeoutError:
         result.error = f"timeout: no complete answer within {timeout:g}s"
         return result
     except (aiohttp.ClientError, ConnectionError) as err:

@@ -135,7 +135,7 @@ class _Run:
         body = self.closed_loop(requests) if cfg.concurrency else self.open_loop(requests)
         try:
             await asyncio.wait_for(body, cfg.deadline)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             for index, (req, started) in sorted(self.inflight.items()):
                 self.results.append(RequestResult(index=index, ok=False, prompt_len=req.prompt_len,
                                                   expected_output_len=req.output_len, start=started,

@@ -15,9 +15,11 @@ are clients of the same key. Without keys (ipc://, loopback) sockets are plain.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -292,19 +294,65 @@ class AsyncRouterSocket(RouterSocket):
 
 
 class AsyncPullSocket(Generic[T]):
+    """A PULL socket read from an asyncio loop.
+
+    The loop watches the socket's file descriptor (`add_reader`) and each wake-up drains
+    every queued frame with plain non-blocking calls into a local queue, which `recv`
+    pops. zmq.asyncio's own `recv` makes a future and re-arms its poller per message:
+    ~125 µs of CPU a message against ~45 µs this way, measured one message at a time on
+    the 2-core host, and the gateway reads one message per streamed token.
+    """
+
+    DRAIN_BATCH = 256  # frames per wake-up before the loop serves other callbacks
+
     def __init__(self, ctx: zmq.asyncio.Context, address: str, msg_type: type[T], *, bind: bool = True):
         self.address = address
-        self.sock = _open(ctx, zmq.PULL, address, bind)
+        self._owner = _open(ctx, zmq.PULL, address, bind)  # the context closes it
+        self.sock = zmq.Socket.shadow(self._owner.underlying)  # plain calls on the same socket
         self.decoder = FrameDecoder(msg_type, address)
+        self._queue: deque[T] = deque()
+        self._waiter: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = self.sock.getsockopt(zmq.FD)
+        self._closed = False
 
     async def recv(self) -> T:
-        while True:
-            msg = self.decoder.decode(await self.sock.recv())
+        while not self._queue:
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+                self._loop.add_reader(self._fd, self._drain)
+                self._drain()  # frames that came before the reader was added
+                continue
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._queue.popleft()
+
+    def _drain(self) -> None:
+        # The descriptor only says the socket's state changed (edge-triggered): read until
+        # EAGAIN, or come back at once when a batch was cut short.
+        if self._closed:
+            return
+        for _ in range(self.DRAIN_BATCH):
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = self.decoder.decode(frame)
             if msg is not None:
-                return msg
+                self._queue.append(msg)
+        else:
+            self._loop.call_soon(self._drain)
+        if self._queue and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self._closed = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        self._owner.close(linger=0)
 
 
 def wait_readable(sockets: list[_Typed], timeout_ms: int) -> list[_Typed]:

@@ -189,7 +189,7 @@ class Gateway:
         except web.HTTPRequestEntityTooLarge as exc:
             raise ApiError(f"The request body is larger than {self.max_body_bytes} bytes.", 413,
                            error_type="invalid_request_error", code="body_too_large") from exc
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise ApiError(f"The request body did not arrive within {self.client_timeout_s:g} s.", 408,
                            error_type="timeout_error", code="body_timeout", headers={"Connection": "close"}) from exc
 
@@ -231,8 +231,9 @@ class Gateway:
 
         async def write(data: bytes) -> None:
             try:  # a client that stopped reading must not hold this handler forever
-                await asyncio.wait_for(resp.write(data), self.client_timeout_s)
-            except asyncio.TimeoutError as exc:
+                async with asyncio.timeout(self.client_timeout_s):  # (wait_for would make a task per chunk)
+                    await resp.write(data)
+            except TimeoutError as exc:
                 raise _ClientStalled from exc
 
         async def send(obj) -> None:
@@ -265,7 +266,7 @@ class Gateway:
             await asyncio.wait_for(resp.write_eof(), self.client_timeout_s)
         except ConnectionResetError:
             log.info("client left %s mid-stream", stream.request_id)  # the stream's exit aborts it
-        except (_ClientStalled, asyncio.TimeoutError):
+        except (TimeoutError, _ClientStalled):
             log.warning("client of %s stopped reading for %g s; closing it", stream.request_id, self.client_timeout_s)
             if request.transport is not None:
                 request.transport.abort()  # drops what is buffered for it; the stream's exit aborts the request

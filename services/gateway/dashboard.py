@@ -160,7 +160,7 @@ class DashboardHub:
                 next_renew = now + RENEW_S
                 try:
                     await asyncio.wait_for(self._subscribe(WatchPool(SNAPSHOT_INTERVAL_S, TTL_S)), SEND_TIMEOUT_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     log.debug("no tokenizer replica took the dashboard subscription")
                 except asyncio.CancelledError:
                     raise

@@ -99,7 +99,7 @@ class DashboardRoutes:
                     await write(_event("update", body))
                     await asyncio.sleep(MIN_UPDATE_S)
                 await asyncio.wait_for(resp.write_eof(), self.client_timeout_s)
-            except (ConnectionResetError, asyncio.TimeoutError):
+            except (TimeoutError, ConnectionResetError):
                 if request.transport is not None:
                     request.transport.abort()
         return resp

@@ -158,7 +158,7 @@ class EngineClient:
         try:
             await asyncio.wait_for(self._to_tokenizer.send(msg), timeout_s)
             reply = await asyncio.wait_for(answer, timeout_s)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise RequestTimeout from exc
         finally:
             self._calls.pop(msg.request_id, None)
@@ -259,7 +259,7 @@ class RequestStream:
         try:
             # Waits while no tokenizer replica can take it; the deadline still holds.
             self.sent_to = await asyncio.wait_for(self._client._to_tokenizer.send(request), self._remaining())
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise RequestTimeout from exc
         self.sent = True
 
@@ -281,10 +281,15 @@ class RequestStream:
     async def next(self) -> TextDelta:
         """The next TextDelta; raises EngineError for an error, RequestTimeout past the deadline."""
         while True:
-            try:
-                msg = await asyncio.wait_for(self.queue.get(), self._remaining())
-            except asyncio.TimeoutError as exc:
-                raise RequestTimeout from exc
+            remaining = self._remaining()
+            try:  # no task per token (as wait_for makes) when the delta is already queued
+                msg = self.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    async with asyncio.timeout(remaining):
+                        msg = await self.queue.get()
+                except TimeoutError as exc:
+                    raise RequestTimeout from exc
             if isinstance(msg, _Retry):
                 await self._retry(msg.stage)
                 continue
