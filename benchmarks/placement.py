@@ -23,7 +23,9 @@ Variants (`--variants`, comma-separated; the first is the baseline):
 - nice: `--frontend-nice 10` (gateway and tokenizer yield to the executor and scheduler);
 - spin-N (e.g. spin-10000): GOMP_SPINCOUNT=N in every stage (how long an idle OpenMP worker
   spins before it sleeps; libgomp's default is 300000 spins, PASSIVE is 0);
-- sync: `--no-async-scheduling` (each step is built only once the previous result is back).
+- sync: `--no-async-scheduling` (each step is built only once the previous result is back);
+- unpinned: `--cpu-placement off` (by default the executor's main thread keeps a core to itself
+  and every other thread and stage shares the rest, shared/cpu_placement.py; off, the OS places all).
 
 The workload is serve_vs_peers's (ShareGPT prompts when installed, 64 output tokens, greedy,
 ignore_eos). Idle servers only send heartbeats; their cost shows as the spread between rounds.
@@ -53,6 +55,7 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "threads-1": (("--executor-threads", "1"), {}),
     "nice": (("--frontend-nice", "10"), {}),
     "sync": (("--no-async-scheduling",), {}),
+    "unpinned": (("--cpu-placement", "off"), {}),
 }
 INT4_ROWS = re.compile(r"int4 linears serve (?:steps of at most (\d+) tokens|(every step))")
 

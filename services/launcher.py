@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.options import API_KEY_ENV, add_exposure_args, exposure_argv
 from services.gateway.supervision import STATE_ENV
+from shared import cpu_placement
 from shared.config import (
     Addresses,
     add_address_args,
@@ -99,6 +100,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frontend-nice", type=int, default=0,
                         help="niceness added to the gateway and tokenizer processes, so that on a machine they share "
                              "with the executor its compute threads are preempted less (see benchmarks/placement.py)")
+    parser.add_argument("--cpu-placement", default="auto", choices=["auto", "off"],
+                        help="auto: on the CPU with one engine of one rank, the executor's main thread keeps the "
+                             "first allowed core to itself and every other thread and stage shares the rest "
+                             "(shared.cpu_placement); off: the OS places everything")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="on CUDA, the fraction of GPU memory the executor may use (KV pool sizing)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "triton", "torch"])
@@ -182,6 +187,8 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses,
         executor += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if args.executor_threads is not None:
         executor += ["--threads", str(args.executor_threads)]
+    if shared_cores(args) is not None:
+        executor += ["--keep-main-core"]
     executor += ["--attention-backend", args.attention_backend,
                  "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                  "--max-num-seqs", str(args.max_num_seqs),
@@ -236,12 +243,24 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses,
     return cmds
 
 
+def shared_cores(args: argparse.Namespace) -> set[int] | None:
+    """The cores the stages other than the executor run on, where `--cpu-placement auto` keeps
+    one for the executor's main thread: one engine of one rank on the CPU, two cores or more."""
+    if getattr(args, "cpu_placement", "off") != "auto" or not args.device.startswith("cpu"):
+        return None
+    if getattr(args, "data_parallel_size", 1) * getattr(args, "tensor_parallel_size", 1) != 1:
+        return None
+    parts = cpu_placement.split()
+    return None if parts is None else parts[1]
+
+
 @dataclass
 class Stage:
     name: str
     cmd: list[str]
     env: dict[str, str] | None = None
     nice: int = 0  # added to the process's niceness at start
+    cpus: set[int] | None = None  # the cores it may run on (None: those of the launcher)
     proc: subprocess.Popen | None = None
     failures: int = 0  # deaths in a row, each after less than STABLE_S
     restarts_total: int = 0
@@ -250,9 +269,16 @@ class Stage:
     delays: list[float] = field(default_factory=list)  # backoffs chosen, the latest few
 
     def start(self) -> None:
-        nice = self.nice
+        nice, cpus = self.nice, self.cpus
+
+        def placed() -> None:
+            if nice:
+                os.nice(nice)
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+
         self.proc = subprocess.Popen(self.cmd, start_new_session=False, env=self.env,
-                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
+                                     preexec_fn=placed if nice or cpus is not None else None)
         self.restart_at = None
         self.starts = self.starts[-63:] + [time.monotonic()]
         log.info("started %s (pid %d)", self.name, self.proc.pid)
@@ -272,9 +298,10 @@ class Supervisor:
     def __init__(self, commands: dict[str, list[str]], envs: dict[str, dict[str, str]] | None = None,
                  drain_timeout_s: float = 0.0, backoff_base_s: float = BACKOFF_BASE_S,
                  backoff_cap_s: float = BACKOFF_CAP_S, stable_s: float = STABLE_S, state_path: str | None = None,
-                 nice: dict[str, int] | None = None):
-        envs, nice = envs or {}, nice or {}
-        self.stages = [Stage(name, cmd, envs.get(name), nice.get(name, 0)) for name, cmd in commands.items()]
+                 nice: dict[str, int] | None = None, cpus: dict[str, set[int]] | None = None):
+        envs, nice, cpus = envs or {}, nice or {}, cpus or {}
+        self.stages = [Stage(name, cmd, envs.get(name), nice.get(name, 0), cpus.get(name))
+                       for name, cmd in commands.items()]
         self.groups = stage_groups(list(commands))
         self.drain_timeout_s = drain_timeout_s
         self.backoff_base_s, self.backoff_cap_s, self.stable_s = backoff_base_s, backoff_cap_s, stable_s
@@ -382,8 +409,13 @@ def run(args: argparse.Namespace) -> int:
         gateway_env[API_KEY_ENV] = args.api_key  # not in `ps`
     commands = stage_commands(args, addresses)
     frontend = {name: args.frontend_nice for name in commands if name == "gateway" or name.startswith("tokenizer")}
+    shared = shared_cores(args)
+    cpus = {} if shared is None else {name: shared for name in commands if not name.startswith("executor")}
+    if shared is not None:
+        log.info("CPU placement: the executor's main thread keeps a core to itself; the other stages run on cores %s",
+                 ",".join(map(str, sorted(shared))))
     supervisor = Supervisor(commands, {"gateway": gateway_env}, args.shutdown_timeout, state_path=state_path,
-                            nice=frontend)
+                            nice=frontend, cpus=cpus)
 
     def stop(signum, _frame):
         log.info("signal %d: stopping every stage", signum)

@@ -49,6 +49,7 @@ from services.executor.sampler import Sampler
 from services.executor.step_calibration import calibrate_runner
 from services.executor.swap_space import SwapSpace
 from services.executor.tp_group import GroupBroken, TPGroup
+from shared import cpu_placement
 from shared.messages import ExecuteStep, StepResult
 
 log = logging.getLogger(__name__)
@@ -230,7 +231,8 @@ class ModelRunner:
 
     def _grammar_pool(self) -> ThreadPoolExecutor:
         if self._grammar_threads is None:
-            self._grammar_threads = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            self._grammar_threads = ThreadPoolExecutor(1, thread_name_prefix="grammar",
+                                                     initializer=cpu_placement.join_shared_cores)
         return self._grammar_threads
 
     @staticmethod

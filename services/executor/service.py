@@ -36,6 +36,7 @@ from services.executor.kv_cache import parse_size
 from services.executor.model_runner import ModelRunner
 from services.executor.previous_tokens import PreviousTokens
 from services.executor.tp_group import KEEPALIVE_S, GroupBroken, TPGroup
+from shared import cpu_placement
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
 from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
@@ -81,6 +82,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor-id", default=None, help="name in heartbeats and ExecutorReady")
     parser.add_argument("--engine", default="engine-0", help="the engine this executor serves (data parallelism)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--keep-main-core", action="store_true",
+                        help="on the CPU, once loaded: the main thread keeps the first allowed core to itself, the "
+                             "other threads (OpenMP workers, sockets) run on the rest (shared.cpu_placement; "
+                             "`serve` passes it when one executor has the host's CPU)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "triton", "torch"],
                         help="auto: Triton kernels on CUDA, the C++ CPU kernels on the CPU (the torch reference if they cannot be built)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -103,6 +108,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="tcp://host:port where the ranks meet (rank 0 listens there)")
     add_address_args(parser, required=False)
     add_log_args(parser)
+
+
+def keep_main_core() -> None:
+    """After the warm-up passes, so the OpenMP team's workers exist and move with the rest."""
+    kept = cpu_placement.keep_core_for_main_thread()
+    if kept is None:
+        log.info("one core allowed: the main thread keeps no core to itself")
+        return
+    core, rest, moved = kept
+    log.info("the main thread keeps core %d to itself; %d other threads (OpenMP workers, sockets) run on cores %s",
+             core, moved, ",".join(map(str, sorted(rest))))
 
 
 def rank_device(device: str, rank: int, size: int) -> str:
@@ -155,6 +171,8 @@ class Executor:
                 return 0
             steps = PullSocket(ctx, addr.executor_in, SchedulerToExecutor, bind=False)
             results = PushSocket(ctx, addr.executor_out, ExecutorToScheduler, bind=False)
+            if args.keep_main_core and torch.device(device).type == "cpu":
+                keep_main_core()
             ready = ExecutorReady(executor_id=self.executor_id, num_kv_blocks=runner.num_kv_blocks,
                                   block_size=runner.block_size, max_model_len=runner.max_model_len,
                                   num_swap_blocks=runner.swap.num_blocks, instance=INSTANCE_ID,

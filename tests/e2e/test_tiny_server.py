@@ -217,3 +217,18 @@ def test_parallel_samples_and_beam_search_through_the_api(tiny_server):
     assert {c["index"] for e in events for c in e["choices"]} == {0, 1}
     metrics = tiny_server.wait_blocks_free()
     assert metrics["pagedserve_kv_blocks_used"] == 0
+
+
+def test_the_executor_main_thread_keeps_a_core_and_the_other_stages_share_the_rest(tiny_server):
+    import os
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two cores allowed")
+    executor = tiny_server.stage_pid("executor")
+    assert sorted(os.sched_getaffinity(executor)) == allowed[:1]  # its main thread (the pid's own task)
+    workers = [int(t) for t in os.listdir(f"/proc/{executor}/task") if int(t) != executor]
+    assert workers and all(sorted(os.sched_getaffinity(t)) == allowed[1:] for t in workers)
+    for stage in ("gateway", "scheduler", "tokenizer"):
+        assert sorted(os.sched_getaffinity(tiny_server.stage_pid(stage))) == allowed[1:], stage
+    assert "the main thread keeps core" in tiny_server.log()

@@ -1,0 +1,65 @@
+"""Where the processes of a one-host CPU deployment run: the executor's main thread keeps
+one core to itself, and everything else (its OpenMP workers, its socket and heartbeat
+threads, the gateway, tokenizer and scheduler) shares the other cores.
+
+The main thread runs each step's Python between forward passes (metadata, sampling,
+messages) and its own share of every OpenMP region. Left floating, the other stages,
+which wake on every step, often land on its core: the step's Python waits for them,
+and so does the whole OpenMP team at its next barrier. Kept off its core, they preempt
+a worker instead, which costs the team no more than before, and the step's Python is
+never delayed. On the 2-core AVX2 host, C=1, four interleaved pairs of runs: decode
+steps 5-19% shorter, and the share of a step outside the forward pass 4.1-4.4% against
+6.7-10% (benchmarks/placement.py measures it as the `unpinned` variant).
+
+`serve` applies it (its `--cpu-placement auto`) only where one engine of one rank runs
+on the CPU with at least two cores allowed: several executors on one host would all
+claim the same core.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+_shared: set[int] | None = None  # the cores for every thread but the main one, once kept
+
+
+def split(allowed: set[int] | None = None) -> tuple[int, set[int]] | None:
+    """(the main thread's core, the cores for everything else) from the allowed cores
+    (this thread's, by default); None when fewer than two are allowed."""
+    cpus = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
+    if len(cpus) < 2:
+        return None
+    return cpus[0], set(cpus[1:])
+
+
+def keep_core_for_main_thread() -> tuple[int, set[int], int] | None:
+    """Pin the calling (main) thread to the first allowed core and every other thread of
+    this process to the rest; returns (that core, the rest, threads moved), or None where
+    fewer than two cores are allowed. Threads started later call `join_shared_cores`:
+    they would otherwise inherit the main thread's single core."""
+    global _shared
+    parts = split()
+    if parts is None:
+        return None
+    core, rest = parts
+    main = threading.get_native_id()
+    moved = 0
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        if tid == main:
+            continue
+        try:
+            os.sched_setaffinity(tid, rest)
+            moved += 1
+        except OSError:  # a thread that ended meanwhile
+            pass
+    os.sched_setaffinity(0, {core})  # 0: the calling thread only
+    _shared = rest
+    return core, rest, moved
+
+
+def join_shared_cores() -> None:
+    """Run the calling thread on the shared cores, where the main thread keeps a core."""
+    if _shared is not None:
+        os.sched_setaffinity(0, _shared)
