@@ -7,9 +7,13 @@ messages) and its own share of every OpenMP region. Left floating, the other sta
 which wake on every step, often land on its core: the step's Python waits for them,
 and so does the whole OpenMP team at its next barrier. Kept off its core, they preempt
 a worker instead, which costs the team no more than before, and the step's Python is
-never delayed. On the 2-core AVX2 host, C=1, four interleaved pairs of runs: decode
-steps 5-19% shorter, and the share of a step outside the forward pass 4.1-4.4% against
-6.7-10% (benchmarks/placement.py measures it as the `unpinned` variant).
+never delayed. On the 2-core AVX2 host (`python -m benchmarks.placement --variants
+default,unpinned`, 3 rounds in rotation, medians), the share of a decode step spent outside
+the forward pass: 4.5% against 6.8% at C=1, 2.1% against 4.3% at C=16, 1.5% against 2.3%
+at C=64 (and 2.2% against 5.2% at C=16 in a 5-round run). Throughput differences stayed
+within the host's drift (tok/s 1.07x, 0.94x and 1.08x at C=1, 16, 64; 0.96x at C=16 over 5
+rounds); four interleaved pairs of C=1 runs with the service's own counters gave decode
+steps 5-19% shorter.
 
 `serve` applies it (its `--cpu-placement auto`) only where one engine of one rank runs
 on the CPU with at least two cores allowed: several executors on one host would all
