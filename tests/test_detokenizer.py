@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import random
 
 import pytest
 
-from services.tokenizer.detokenizer import REPLACEMENT_CHAR, Detokenizer
+from services.tokenizer.detokenizer import REPLACEMENT_CHAR, Detokenizer, backend_decode
 from shared.messages import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -160,3 +161,28 @@ def test_stop_strings_wait_for_min_tokens():
     late = Detokenizer(tok, SamplingParams(stop=["b"], min_tokens=4))
     out = "".join(late.step([t]) for t in ids)
     assert late.stopped and out == " a b a "  # the "b" of the 4th token is the first that counts
+
+
+def test_the_rust_decode_shortcut_equals_transformers_decode(tok):
+    decode = backend_decode(tok)
+    assert decode is not None  # SmolLM2's fast tokenizer takes the shortcut
+    rng = random.Random(7)
+    specials = tok.all_special_ids
+    for _ in range(300):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok))
+               for _ in range(rng.randint(1, 12))]
+        for skip in (True, False):
+            assert decode(ids, skip_special_tokens=skip) == tok.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def test_a_tokenizer_with_its_own_decode_keeps_it(tok):
+    class Custom(type(tok)):
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return "custom"
+
+    custom = copy.copy(tok)
+    custom.__class__ = Custom
+    assert backend_decode(custom) is None
+    pieces, _ = stream(custom, [100, 200])
+    assert "".join(pieces) == "custom"

@@ -25,6 +25,20 @@ REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 6
 
 
+def backend_decode(tokenizer):
+    """The Rust tokenizer's own `decode(ids, skip_special_tokens=)` where transformers' decode
+    only wraps it (a fast tokenizer with the stock `_decode`, called without clean-up), else
+    None: 1.7 µs a call against 7 µs, and every streamed token decodes twice."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if type(tokenizer)._decode is not PreTrainedTokenizerFast._decode or backend is None:
+        return None
+    return backend.decode
+
+
 class Detokenizer:
     def __init__(
         self,
@@ -39,6 +53,7 @@ class Detokenizer:
         # only slow (Python) tokenizers put spaces around special tokens; fast ones never do
         self._extra = ({} if getattr(tokenizer, "is_fast", True)
                        else {"spaces_between_special_tokens": spaces_between_special_tokens})
+        self._backend = backend_decode(tokenizer)
         self._stops = [s for s in params.stop if s]
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
@@ -73,6 +88,8 @@ class Detokenizer:
     def _decode(self, tokens: list[int]) -> str:
         if not tokens:
             return ""
+        if self._backend is not None:
+            return self._backend(tokens, skip_special_tokens=self._skip_special)
         return self._tokenizer.decode(
             tokens, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False, **self._extra
         )
