@@ -3,8 +3,9 @@ against the forward pass it feeds.
 
     python -m benchmarks.step_messages [--shapes 1x200 64x200 128x200 256x2048] [--forward]
 
-Each shape is SEQSxCONTEXT: a decode step of SEQS sequences with CONTEXT tokens each, their
-whole block tables in the message as the scheduler sends them every step, plus the share
+Each shape is SEQSxCONTEXT: a decode step of SEQS sequences with CONTEXT tokens each (the
+executor's calibration step), their whole block tables in the message as the scheduler sends
+them every step, plus the share
 of the bytes that the block tables take. `--forward` also times SmolLM2's forward pass at
 the same number of rows (service defaults), so the message's cost reads as a share of a
 step. Block tables sent as changes would cut the block tables' share of the bytes and of
@@ -19,20 +20,18 @@ import time
 
 import msgspec
 
-from shared.messages import ExecuteStep, ScheduledSeq, SchedulerToExecutor, SeqSampling
-
-GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=-1, seed=None)
+from services.executor.step_calibration import decode_step as calibration_step
+from shared.messages import ExecuteStep, SchedulerToExecutor
 
 
 def decode_step(num_seqs: int, context: int, block_size: int = 16, tables: bool = True) -> ExecuteStep:
-    """A decode step as the scheduler builds it; without tables, every block table empty."""
-    blocks = context // block_size + 1
-    seqs = []
-    for i in range(num_seqs):
-        table = list(range(i * blocks, (i + 1) * blocks))
-        seqs.append(ScheduledSeq(f"cmpl-{i:032x}-0", [-1], context, table if tables else [],
-                                 [table[-1] * block_size + context % block_size], True, 5, GREEDY))
-    return ExecuteStep(1, seqs)
+    """The executor's calibration step (every sequence on blocks of its own); without tables,
+    every block table empty, to tell their share of the bytes."""
+    blocks = num_seqs * -(-context // block_size) + 1
+    step = calibration_step(num_seqs, context, block_size, blocks)
+    if not tables:
+        step.seqs = [msgspec.structs.replace(s, block_table=[]) for s in step.seqs]
+    return step
 
 
 def median_us(fn, repeat: int) -> float:
@@ -61,13 +60,12 @@ def forward_ms(shapes: list[tuple[int, int]], kv_budget: int) -> dict[tuple[int,
 
     from services.executor.batch import BatchMetadata
     from services.executor.model_runner import ModelRunner
-    from services.executor.step_calibration import decode_step as runner_step
     from shared.model_files import resolve_model
 
     runner = ModelRunner(resolve_model("smollm2"), dtype="auto", kv_cache_memory=kv_budget)
     out = {}
     for rows, context in shapes:
-        step = runner_step(rows, context, runner.block_size, runner.num_kv_blocks)
+        step = calibration_step(rows, context, runner.block_size, runner.num_kv_blocks)
         if step is None:
             continue  # its KV does not fit the budget
 

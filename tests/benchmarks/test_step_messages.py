@@ -11,8 +11,11 @@ def test_step_message_figures_are_real(capsys):
     assert short["bytes"] < long["bytes"] and 0 < short["tables_share"] < long["tables_share"] < 1
     assert all(r["encode_us"] > 0 and r["decode_us"] > 0 for r in (short, long))
     step = step_messages.decode_step(3, 40)
-    assert [s.block_table for s in step.seqs] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    assert [s.slot_mapping for s in step.seqs] == [[40], [88], [136]]  # last block, offset 40 % 16
+    assert [s.block_table for s in step.seqs] == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert [s.slot_mapping for s in step.seqs] == [[55], [103], [151]]  # position 39: last block, offset 7
+    bare = step_messages.decode_step(3, 40, tables=False)
+    assert [s.block_table for s in bare.seqs] == [[], [], []]
+    assert [s.slot_mapping for s in bare.seqs] == [s.slot_mapping for s in step.seqs]
     assert step_messages.main(["--shapes", "2x16", "4x64", "--repeat", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["seqs", "context", "KiB"] and [line.split()[:2] for line in lines[1:]] == [
