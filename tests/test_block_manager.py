@@ -1,6 +1,7 @@
 """Block manager: allocation on demand, copy-on-write, prefix caching, and invariants
 under random sequences of operations (hypothesis)."""
 
+import hashlib
 from dataclasses import dataclass, field
 
 import pytest
@@ -8,14 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.block_manager import BlockManager
+from shared.block_digest import block_digests
 
 
 @dataclass(eq=False)
 class Seq:
     tokens: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
+    cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -129,13 +132,48 @@ def test_cached_blocks_survive_free_and_are_evicted_least_recently_used():
     bm.check_invariants([filler.block_table])
 
 
-def test_a_hash_collision_is_not_a_hit():
-    bm = BlockManager(num_blocks=8, block_size=2)
-    a = Seq(tokens=[1, 2, 3])
-    admit(bm, a)
-    b = Seq(tokens=[4, 5, 6])
-    b.block_hashes.append(a.block_hashes[0])  # forge a colliding hash
-    assert bm.num_cached_tokens(b) == 0
+def test_prompts_whose_python_hashes_collide_share_no_block():
+    """Python hashes ints mod 2**61 - 1, so under `hash((parent, tokens))` keys the prompts
+    [5, 6, ...] and [5 + 2**61 - 1, 6, ...] chain to the same keys; the old hit check
+    compared only a block's own tokens, so a victim's second block reused the KV the
+    attacker computed after another first block. (Validated token ids stay below 2**31,
+    where the same collision takes an offline search instead of an addition.)"""
+    bm = BlockManager(num_blocks=16, block_size=2)
+    honest = Seq(tokens=[5, 6, 0])
+    admit(bm, honest)
+    attacker = Seq(tokens=[5 + 2**61 - 1, 6, 1, 2, 0])
+    assert admit(bm, attacker) == 0
+    victim = Seq(tokens=[5, 6, 1, 2, 7])
+    assert admit(bm, victim) == 2  # the honest first block only
+    assert victim.block_table[0] == honest.block_table[0]
+    assert victim.block_table[1] != attacker.block_table[1]
+    bm.check_invariants([honest.block_table, attacker.block_table, victim.block_table])
+
+
+def test_block_keys_are_the_documented_sha256_chain():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    tokens = list(range(100, 113))
+    for salt in (None, "tenant-a"):
+        seq = Seq(tokens=list(tokens), cache_salt=salt)
+        admit(bm, seq)
+        parent = bytes(32) if salt is None else hashlib.sha256(b"pagedserve-cache-salt\0" + salt.encode()).digest()
+        want = []
+        for i in range(3):
+            parent = hashlib.sha256(parent + b"".join(t.to_bytes(8, "little") for t in tokens[4 * i:4 * i + 4])).digest()
+            want.append(parent)
+        assert seq.block_hashes == want == block_digests(tokens, 4, salt)
+        assert [bm._cached[h] for h in want] == seq.block_table[:3]
+
+
+def test_requests_with_different_salts_never_share_cached_blocks():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    prompt = list(range(10))
+    for salt in (None, "a", "b", ""):
+        assert admit(bm, Seq(tokens=list(prompt), cache_salt=salt)) == 0, salt
+    for salt in (None, "a", "b", ""):  # the same salt again: its own blocks come back
+        again = Seq(tokens=list(prompt), cache_salt=salt)
+        assert admit(bm, again) == 8, salt
+    assert bm.num_used_blocks == 4 * 3 + 4  # each salt: three blocks, then its repeat's own last one
 
 
 ops = st.lists(
@@ -151,29 +189,31 @@ def test_invariants_hold_under_random_operations(operations, block_size, num_blo
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
     seqs: list[Seq] = []
     contents: dict[int, list[int]] = {}  # block -> tokens written into it (by slot)
+    salts: dict[int, str | None] = {}  # block -> the salt of the sequence that wrote it
     for op, pick, n, alphabet in operations:
         target = seqs[pick % len(seqs)] if seqs else None
         tokens = [(pick * 7 + i) % (alphabet + 1) for i in range(n)]  # small alphabet: many hits
         if op == "new":
-            s = Seq(tokens=tokens)
+            s = Seq(tokens=tokens, cache_salt="s" if pick % 3 == 0 else None)
             cached = bm.num_cached_tokens(s)
             if bm.can_allocate(s, n - cached):
                 bm.allocate(s, n - cached)
                 for i, block in enumerate(s.block_table[: cached // block_size]):
                     hit = s.tokens[i * block_size : (i + 1) * block_size]
                     assert contents[block] == hit, "a prefix-cache hit returned other tokens"
-                write(bm, s, cached, n, contents)
+                    assert salts[block] == s.cache_salt, "a prefix-cache hit crossed salts"
+                write(bm, s, cached, n, contents, salts)
                 seqs.append(s)
         elif op == "grow" and target:
             target.tokens += tokens
             if bm.can_append(target, n):
                 start = target.num_computed_tokens
                 bm.append_slots(target, n)
-                write(bm, target, start, start + n, contents)
+                write(bm, target, start, start + n, contents, salts)
             else:
                 del target.tokens[-n:]
         elif op == "fork" and target:
-            child = Seq(tokens=list(target.tokens))
+            child = Seq(tokens=list(target.tokens), cache_salt=target.cache_salt)
             bm.fork(target, child)
             seqs.append(child)
         elif op == "free" and target:
@@ -191,11 +231,13 @@ def test_invariants_hold_under_random_operations(operations, block_size, num_blo
     assert bm.num_free_blocks == num_blocks
 
 
-def write(bm: BlockManager, seq: Seq, start: int, end: int, contents: dict[int, list[int]]) -> None:
+def write(bm: BlockManager, seq: Seq, start: int, end: int, contents: dict[int, list[int]],
+          salts: dict[int, str | None]) -> None:
     """What the executor does: write tokens [start, end) into their slots."""
     for pos, slot in zip(range(start, end), bm.slot_mapping(seq, start, end - start), strict=True):
         block, offset = divmod(slot, bm.block_size)
         assert bm.ref_counts[block] == 1, "a shared block is written"
+        salts[block] = seq.cache_salt
         row = contents.setdefault(block, [])
         del row[offset:]
         row.append(seq.tokens[pos])

@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import Request
 from services.tokenizer.engine_router import HOLD_MAX_S, LOAD_RATIO, LOAD_SLACK, EngineRouter, prefix_hashes
-from shared.messages import EngineLoad, EngineLoads
+from shared.messages import EngineLoad, EngineLoads, SamplingParams
 
 ENGINES = ["engine-0", "engine-1"]
 
@@ -23,11 +25,29 @@ def prompt(system: int, user: int, block_size: int = 16) -> list[int]:
 
 def test_prefix_hashes_are_the_block_managers_chain():
     ids = list(range(40))
-    hashes = prefix_hashes(ids, 16)
-    assert len(hashes) == 2  # only full blocks
-    assert hashes[0] == hash((None, tuple(range(16))))
-    assert hashes[1] == hash((hashes[0], tuple(range(16, 32))))
+    for salt in (None, "tenant"):
+        hashes = prefix_hashes(ids, 16, salt)
+        assert len(hashes) == 2  # only full blocks
+        req = Request("r", ids, SamplingParams(cache_salt=salt), frozenset(), 0.0)
+        bm = BlockManager(8, 16)
+        bm.allocate(req, 40)
+        req.num_computed_tokens = 40
+        bm.commit(req, 0, 40)
+        assert req.block_hashes == hashes
+    assert prefix_hashes(ids, 16, "tenant") != prefix_hashes(ids, 16)
     assert prefix_hashes(ids[:15], 16) == []
+
+
+def test_a_salted_prompt_does_not_follow_the_same_unsalted_prefix():
+    """Blocks of different salts are never shared by the engines, so a salted prompt is not
+    routed (or held) for the sake of another salt's copy of its prefix."""
+    router = EngineRouter(ENGINES, "prefix")
+    first = router.route("a", prompt(1, 0))
+    router.prefilled("a")
+    assert router.route("b", prompt(1, 1), cache_salt="tenant") != first  # least loaded, not the holder
+    assert router.route("c", prompt(1, 2), cache_salt="tenant") != first  # follows its own salt's copy
+    assert not router.held("b")
+    router.check_invariants()
 
 
 def test_requests_sharing_a_prefix_follow_it_and_different_prefixes_spread():

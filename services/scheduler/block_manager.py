@@ -7,9 +7,14 @@ Each operation comes as a pair, a side-effect-free "can" and a "do" (`can_alloca
 [i * block_size, (i + 1) * block_size)), `num_computed_tokens`, its tokens, and a
 `block_hashes` list this class fills in.
 
-Prefix caching: a block full of computed tokens is registered under a
-chained hash of (parent block's hash, its token ids), with the token ids kept to
-check a hit really matches. When no sequence references it any more it stays in the
+Prefix caching: a block full of computed tokens is registered under its digest,
+a SHA-256 chain over the sequence's tokens seeded by its cache salt
+(`shared/block_digest.py`): digest_i = SHA-256(digest_{i-1} + block i's tokens as int64
+little-endian), digest_{-1} = 32 zero bytes, or SHA-256(b"pagedserve-cache-salt\0" + salt)
+for a request with a `cache_salt`. A digest commits to the whole prefix and the salt, so a
+hit needs no token comparison, no prompt can be made to collide with another's (Python's
+`hash` could), and requests with different salts never share a block. When no sequence
+references it any more it stays in the
 pool as "cached"; a new sequence whose leading blocks hash the same takes them
 instead of computing them. Cached blocks nobody holds are evicted least recently
 used when a block is needed. A block is registered only by `commit`, once the step
@@ -23,11 +28,14 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from typing import Protocol
 
+from shared.block_digest import chain_digests, root_digest
+
 
 class Sequence(Protocol):
     block_table: list[int]
-    block_hashes: list[int]
+    block_hashes: list[bytes]  # digests of its full blocks, filled in here
     num_computed_tokens: int
+    # optional: cache_salt (str | None, default None), no_cache_hits (bool, default False)
 
     @property
     def num_tokens(self) -> int: ...
@@ -45,8 +53,8 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))  # holds nothing worth keeping
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, LRU first
-        self._cached: dict[int, int] = {}  # hash -> block
-        self._block_key: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (hash, tokens)
+        self._cached: dict[bytes, int] = {}  # digest -> block
+        self._block_key: dict[int, bytes] = {}  # block -> digest
         self.prefix_cache_queries = 0  # tokens looked up in the cache
         self.prefix_cache_hits = 0  # of which found
 
@@ -76,22 +84,22 @@ class BlockManager:
 
     # --- prefix cache ---------------------------------------------------------------
 
-    def _hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """Chained hashes of seq's full blocks within its first num_tokens tokens."""
-        bs, hashes = self.block_size, seq.block_hashes
-        while len(hashes) < num_tokens // bs:
-            i = len(hashes)
-            hashes.append(hash((hashes[-1] if hashes else None, tuple(seq.token_ids(i * bs, (i + 1) * bs)))))
-        return hashes[: num_tokens // bs]
+    def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """Chained digests of seq's full blocks within its first num_tokens tokens."""
+        bs, hashes, full = self.block_size, seq.block_hashes, num_tokens // self.block_size
+        if len(hashes) < full:
+            parent = hashes[-1] if hashes else root_digest(getattr(seq, "cache_salt", None))
+            hashes += chain_digests(parent, seq.token_ids(len(hashes) * bs, full * bs), bs)
+        return hashes[:full]
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding seq's leading tokens, always leaving one token to compute."""
         if not self.enable_prefix_caching or getattr(seq, "no_cache_hits", False):
             return []  # (a prompt being scored computes every position)
-        bs, hits = self.block_size, []
-        for i, h in enumerate(self._hashes(seq, seq.num_tokens - 1)):
+        hits = []
+        for h in self._hashes(seq, seq.num_tokens - 1):
             block = self._cached.get(h)
-            if block is None or self._block_key[block][1] != tuple(seq.token_ids(i * bs, (i + 1) * bs)):
+            if block is None:
                 break
             hits.append(block)
         return hits
@@ -104,17 +112,16 @@ class BlockManager:
         """The KV of seq's tokens [start, end) is written: cache the blocks they complete."""
         if not self.enable_prefix_caching:
             return
-        bs, hashes = self.block_size, self._hashes(seq, end)
-        for i in range(start // bs, len(hashes)):
+        hashes = self._hashes(seq, end)
+        for i in range(start // self.block_size, len(hashes)):
             block, h = seq.block_table[i], hashes[i]
             if block in self._block_key or h in self._cached:
-                continue  # already cached, or the same tokens cached in another block
+                continue  # already cached, or the same prefix cached in another block
             self._cached[h] = block
-            self._block_key[block] = (h, tuple(seq.token_ids(i * bs, (i + 1) * bs)))
+            self._block_key[block] = h
 
     def _uncache(self, block: int) -> None:
-        h, _ = self._block_key.pop(block)
-        del self._cached[h]
+        del self._cached[self._block_key.pop(block)]
 
     def reset_cache(self) -> None:
         """Forget every cached block (the KV memory behind them was lost)."""
@@ -262,5 +269,6 @@ class BlockManager:
             assert unheld == (self.ref_counts[block] == 0), f"block {block} free/used"
         assert all(b in self._block_key for b in evictable), "an evictable block is not cached"
         assert not any(b in self._block_key for b in free), "a free-list block is still cached"
-        assert {b: h for h, b in self._cached.items()} == {b: k[0] for b, k in self._block_key.items()}
+        assert {b: h for h, b in self._cached.items()} == self._block_key, "digest and block maps disagree"
+        assert all(len(h) == 32 for h in self._cached), "a cache key is not a SHA-256 digest"
         assert len(free) + len(evictable) + sum(1 for r in self.ref_counts if r > 0) == self.num_blocks

@@ -31,7 +31,7 @@ class Request:
     reply_to: bytes = b""  # the tokenizer replica that owns this request's text
     output_token_ids: list[int] = field(default_factory=list)  # a TokenHistory for beams (forks share it)
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # of full blocks, for the prefix cache
+    block_hashes: list[bytes] = field(default_factory=list)  # digests of full blocks, for the prefix cache
     swapped_blocks: list[int] = field(default_factory=list)  # host blocks while swapped out
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -97,6 +97,11 @@ class Request:
             min_tokens=p.min_tokens, min_tokens_mask=mask if p.min_tokens else [], logprobs=p.logprobs,
             structured=p.structured, bad_words_ids=p.bad_words_ids,
         )
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Sequences with different salts never share prefix-cache blocks."""
+        return self.params.cache_salt
 
     @property
     def no_cache_hits(self) -> bool:

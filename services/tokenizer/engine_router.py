@@ -3,8 +3,9 @@
 A tokenizer replica is where a prompt's tokens are first known, so it routes. Policies:
 
 - `prefix` (default), after SGLang's cache-aware router and llm-d's prefix scorer: the
-  router keeps an approximate map from the chained hash of each full prompt block (the
-  block manager's own scheme: hash of (parent hash, block tokens)) to the engines it sent
+  router keeps an approximate map from the chained digest of each full prompt block (the
+  block manager's own key, `shared/block_digest.py`: SHA-256 over the parent's digest and the
+  block's tokens, seeded by the request's cache salt) to the engines it sent
   that block to (a bounded LRU). The deepest block of the prompt that some live engine
   holds picks the engine: the least loaded of its holders, unless even that one is much
   busier than the least loaded engine (more than LOAD_RATIO times its load plus
@@ -55,24 +56,22 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
+from shared.block_digest import block_digests
 from shared.messages import EngineLoads
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
-MAX_PREFIXES = 65536  # block hashes remembered (LRU)
+MAX_PREFIXES = 65536  # block digests remembered (LRU)
 LOAD_RATIO = 1.5
 LOAD_SLACK = 8.0  # requests: below this imbalance a spill's cold prefill costs more than it saves
 KV_WEIGHT = 4.0  # a full KV pool weighs as much as this many requests
 HOLD_MAX_S = 10.0  # the longest a request waits for the prefill of a prefix it shares
 
 
-def prefix_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of token_ids, as the block manager computes them."""
-    hashes: list[int] = []
-    for i in range(len(token_ids) // block_size):
-        hashes.append(hash((hashes[-1] if hashes else None, tuple(token_ids[i * block_size:(i + 1) * block_size]))))
-    return hashes
+def prefix_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
+    """Chained digests of the full blocks of token_ids, as the block manager computes them."""
+    return block_digests(token_ids, block_size, cache_salt)
 
 
 class EngineRouter:
@@ -93,9 +92,9 @@ class EngineRouter:
         self._in_flight: Counter[str] = Counter()  # this replica's requests, by engine
         self._owner: dict[str, str] = {}  # request id -> engine
         # block hash -> {engine holding it: the request warming it there, or None once prefilled}
-        self._prefixes: OrderedDict[int, dict[str, str | None]] = OrderedDict()
+        self._prefixes: OrderedDict[bytes, dict[str, str | None]] = OrderedDict()
         self._blocks: Counter[str] = Counter()  # engine -> blocks of the map it holds
-        self._warming: dict[str, list[int]] = {}  # request id -> the blocks it warms on its engine
+        self._warming: dict[str, list[bytes]] = {}  # request id -> the blocks it warms on its engine
         self._held: dict[str, tuple[str, float]] = {}  # request id -> (the warming request it waits for, since)
         self._instances: dict[str, str] = {}  # engine -> its scheduler instance at the latest report naming one
         self._next = 0
@@ -142,11 +141,11 @@ class EngineRouter:
         requests = self._in_flight[engine] + self._others.get(engine, 0.0)
         return requests + KV_WEIGHT * self._kv_usage.get(engine, 0.0)
 
-    def route(self, request_id: str, token_ids: list[int]) -> str:
+    def route(self, request_id: str, token_ids: list[int], cache_salt: str | None = None) -> str:
         """The engine for a new request; it owns the request until `release`. When `held`
         says so afterwards, the request is not to be sent before `ready` lets it go."""
         candidates = self.live or self.engines  # none live: still queue somewhere
-        hashes = prefix_hashes(token_ids, self.block_size) if self.policy == "prefix" else []
+        hashes = prefix_hashes(token_ids, self.block_size, cache_salt) if self.policy == "prefix" else []
         if self.policy == "round-robin":
             engine = candidates[self._next % len(candidates)]
             self._next += 1
@@ -166,7 +165,7 @@ class EngineRouter:
         order = candidates[start:] + candidates[:start]
         return min(order, key=lambda e: (self.load(e), self._blocks[e]))
 
-    def _by_prefix(self, hashes: list[int], candidates: list[str], least: str) -> str:
+    def _by_prefix(self, hashes: list[bytes], candidates: list[str], least: str) -> str:
         for h in reversed(hashes):  # the deepest block some live engine holds
             holders = [e for e in candidates if e in self._prefixes.get(h, ())]
             if not holders:
@@ -179,7 +178,7 @@ class EngineRouter:
             return least
         return least
 
-    def _place(self, request_id: str, engine: str, hashes: list[int]) -> None:
+    def _place(self, request_id: str, engine: str, hashes: list[bytes]) -> None:
         """Note the blocks as held by engine; hold the request if the deepest of them that the
         engine held already is still warming there (the blocks after it it warms itself)."""
         waits_for = None

@@ -57,7 +57,7 @@ class EngineLinks:
         if not self.many:
             next(iter(self.sockets.values())).send(msg)
         elif isinstance(msg, TokenizedRequest):
-            engine = self.router.route(msg.request_id, msg.prompt_token_ids)
+            engine = self.router.route(msg.request_id, msg.prompt_token_ids, msg.params.cache_salt)
             self._to_gateway(RequestRouted(msg.request_id, engine))
             if self.router.held(msg.request_id):
                 self._held[msg.request_id] = msg
