@@ -7,6 +7,11 @@ request is preempted: its blocks are freed and it is recomputed later (prompt an
 generated tokens together), or, in swap mode while host swap space lasts, its KV is
 copied to host memory and back when it resumes. A request that fits the pool alone
 always finishes.
+A swap-out is done only once its step succeeds: until then (`confirm_swaps`) its sequence
+is not swapped back in, and if the step fails (`undo_swaps`) the host blocks, never
+written, are freed and the sequence is recomputed instead.
+The pool itself may change under it (`replace_pool`: an executor that came back with
+another pool): every request then recomputes on the new one.
 Requests whose owner (`reply_to`) is in `held` (its replies cannot go out now) are
 skipped: they keep their blocks but run no further until released.
 A request whose own handling raises (scheduling it, applying its result, scoring its
@@ -84,6 +89,7 @@ class Scheduler:
         self._next_step_id = random.getrandbits(48)
         self._failed: list[Request] = []  # failed, not yet reported (see take_failed)
         self._doomed: list[Request] = []  # failed while a step is being built: freed after it
+        self._swap_outs: dict[int, list[Request]] = {}  # step id -> sequences it swaps out, until answered
         self.held: set[bytes] = set()  # owners whose requests wait (backpressure)
 
     # --- requests in and out -------------------------------------------------------
@@ -198,6 +204,7 @@ class Scheduler:
             pairs = self.swap.swap_out(req.block_table)
             swap_out.extend(pairs)
             req.swapped_blocks = [host for _, host in pairs]
+            self._swap_outs.setdefault(self._next_step_id, []).append(req)  # the step being built
             self.num_swapped_out_total += 1
         else:
             req.num_computed_tokens = 0
@@ -217,7 +224,38 @@ class Scheduler:
             if req.swapped_blocks:
                 self.swap.free(req.swapped_blocks)
                 req.num_computed_tokens = 0
+        self._swap_outs.clear()
         self.blocks.reset_cache()
+
+    def replace_pool(self, blocks: BlockManager, swap: SwapSpace | None, config: SchedulerConfig,
+                     ) -> list[tuple[Request, str]]:
+        """Go on with another pool (block count, block size, swap space, context length):
+        every request loses its KV and is recomputed there. Those the new pool can never
+        hold end ("error") and are returned with why."""
+        self.preempt_all()
+        self.blocks, self.config = blocks, config
+        self.swap = swap if config.preemption_mode == "swap" else None
+        ended = []
+        for request_id, group in list(self.requests.items()):
+            for seq in group:
+                seq.block_hashes.clear()  # digests of blocks of the old size
+            problem = self.check_fits(group[0])
+            if problem is not None:
+                self.finish_request(request_id, "error")
+                ended.append((group[0], problem))
+        return ended
+
+    def confirm_swaps(self, step_id: int) -> None:
+        """Step step_id succeeded: the KV it swapped out is in host memory."""
+        self._swap_outs.pop(step_id, None)
+
+    def undo_swaps(self, step_id: int) -> None:
+        """Step step_id failed, maybe before its swaps ran: the host blocks it was to write
+        hold nothing, so the sequences it swapped out free them and are recomputed."""
+        for req in self._swap_outs.pop(step_id, []):
+            if req.status is RequestStatus.WAITING and req.swapped_blocks:
+                self.swap.free(req.swapped_blocks)
+                req.num_computed_tokens = 0
 
     def _fork(self, parent: Request) -> None:
         """Parallel samples share every block the parent has computed so far."""
@@ -236,6 +274,9 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     def schedule(self) -> tuple[ExecuteStep, list[ScheduledChunk]] | None:
+        """The next step. Called only once every step before it has been answered (its
+        result applied, or `undo_swaps` after it failed), so their swap-outs are done."""
+        self._swap_outs.clear()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         copies: list[tuple[int, int]] = []
@@ -402,6 +443,8 @@ class Scheduler:
         """Start the first waiting sequence if it fits (or make room by preempting an
         idle beam); False when nothing more can be admitted this step."""
         restoring = bool(req.swapped_blocks)
+        if restoring and any(req in reqs for reqs in self._swap_outs.values()):
+            return False  # its swap-out is in the step in flight, not known to be done
         if restoring:
             n = self._chunk_size(req, req.num_computed_tokens, budget)
             fits = self.blocks.can_restore(req, n)

@@ -8,7 +8,12 @@ step as soon as it is done instead of waiting for a round trip; at most two step
 are in flight, and results apply in the order the steps were sent. The pool's size
 comes from the executor's `ExecutorReady`; a second `ExecutorReady` from a new
 executor instance means the executor restarted and lost the KV cache, so every
-running request is preempted and recomputed. A scheduler that has no pool yet says
+running request is preempted and recomputed. One that comes back with another pool
+(fewer or more blocks, another block size or swap space, a shorter context) gets a
+new block manager sized for it: the requests recompute there, and those it can never
+hold end with a 503. An executor reporting an unusable pool (no blocks) is refused
+until it reports a usable one. A failed step's swap-outs are not taken as done: those
+sequences recompute (`Scheduler.undo_swaps`). A scheduler that has no pool yet says
 `SchedulerHello` every HELLO_INTERVAL_S, so an executor that outlived the previous
 scheduler announces itself again.
 
@@ -125,6 +130,7 @@ class SchedulerService:
         self.stats_at = 0.0
         self.executor_id: str | None = None
         self.executor_instance: str | None = None
+        self.pool_reported: tuple | None = None  # (blocks, block size, swap blocks, config) the pool is built for
         self.hello_at = 0.0
         # steps sent and not answered, oldest first: two while one is built ahead of the other's result
         self.in_flight: deque[StepInFlight] = deque()
@@ -164,33 +170,58 @@ class SchedulerService:
 
     # --- messages from the executor --------------------------------------------------
 
+    def _pool(self, msg: ExecutorReady):
+        """The config, block manager and swap space for the pool an executor reports."""
+        if msg.num_kv_blocks < 1 or msg.block_size < 1 or msg.num_swap_blocks < 0 or msg.max_model_len < 1:
+            raise ValueError(f"{msg.num_kv_blocks} blocks of {msg.block_size} tokens, {msg.num_swap_blocks} swap "
+                             f"blocks, a context of {msg.max_model_len}")
+        max_len = min(msg.max_model_len, self.args.max_model_len or msg.max_model_len)
+        config = SchedulerConfig(self.args.max_num_seqs, self.args.max_num_batched_tokens, max_len,
+                                 self.args.preemption_mode, msg.vocab_size)
+        if config.preemption_mode == "swap" and not msg.num_swap_blocks:
+            log.warning("--preemption-mode swap without executor swap space: preempted requests recompute")
+        blocks = make_allocator(self.args.kv_policy, msg.num_kv_blocks, msg.block_size, max_len,
+                                self.args.prefix_caching)
+        return config, blocks, SwapSpace(msg.num_swap_blocks)
+
     def on_executor_ready(self, msg: ExecutorReady) -> None:
         if msg.instance and msg.instance == self.executor_instance and self.executor_lost is None:
             return  # the executor we know, answering a hello: its KV is intact
+        try:
+            config, blocks, swap = self._pool(msg)
+        except ValueError as exc:
+            log.error("executor %s refused: it reports an unusable pool (%s)", msg.executor_id, exc)
+            if self.scheduler is not None and self.executor_lost is None:
+                self.executor_lost = f"executor {msg.executor_id} reports an unusable pool"
+                self.scheduler.preempt_all()
+                self.in_flight.clear()
+            return
         if self.executor_lost is not None:
             log.warning("executor answers again after %s", self.executor_lost)
         self.executor_lost, self.executor_warm = None, False
         self.executor_instance = msg.instance
         if self.scheduler is None:
-            max_len = min(msg.max_model_len, self.args.max_model_len or msg.max_model_len)
-            config = SchedulerConfig(self.args.max_num_seqs, self.args.max_num_batched_tokens, max_len,
-                                     self.args.preemption_mode, msg.vocab_size)
-            if config.preemption_mode == "swap" and not msg.num_swap_blocks:
-                log.warning("--preemption-mode swap without executor swap space: preempted requests recompute")
-            blocks = make_allocator(self.args.kv_policy, msg.num_kv_blocks, msg.block_size, max_len,
-                                    self.args.prefix_caching)
-            self.scheduler = Scheduler(config, blocks, SwapSpace(msg.num_swap_blocks))
+            self.scheduler = Scheduler(config, blocks, swap)
             log.info("executor %s ready: %d blocks of %d tokens", msg.executor_id, msg.num_kv_blocks, msg.block_size)
             for peer, req in self.pending:
                 self.on_request(peer, req)
             self.pending.clear()
         else:
-            if (msg.num_kv_blocks, msg.block_size) != (self.scheduler.blocks.num_blocks, self.scheduler.blocks.block_size):
-                log.warning("restarted executor reports a different pool; keeping the first one's")
+            old = self.scheduler
             log.warning("executor %s (re)started: recomputing %d running requests", msg.executor_id,
-                        len(self.scheduler.running))
-            self.scheduler.preempt_all()
+                        len(old.running))
+            if (msg.num_kv_blocks, msg.block_size, msg.num_swap_blocks, config) != self.pool_reported:
+                log.warning("it reports another pool: %d blocks of %d tokens, %d swap blocks, a context of %d "
+                            "(was %s); rebuilding the block manager", msg.num_kv_blocks, msg.block_size,
+                            msg.num_swap_blocks, config.max_model_len, self.pool_reported[:3])
+                for req, problem in old.replace_pool(blocks, swap, config):
+                    self._reply(req.reply_to, RequestError(
+                        req.request_id, 503, f"the executor restarted with a smaller pool or context: {problem}",
+                        "service_unavailable"))
+            else:
+                old.preempt_all()
             self.in_flight.clear()
+        self.pool_reported = (msg.num_kv_blocks, msg.block_size, msg.num_swap_blocks, config)
         self.executor_id = msg.executor_id
 
     def on_step_done(self, msg: StepResult | StepFailed) -> None:
@@ -208,11 +239,13 @@ class SchedulerService:
             msg = StepFailed(msg.step_id, f"result for {len(msg.sampled)} sequences, step had {len(chunks)}")
         if isinstance(msg, StepFailed):
             log.error("step %d failed: %s", msg.step_id, msg.message)
+            self.scheduler.undo_swaps(msg.step_id)
             for chunk in chunks:
                 req = self.scheduler.finish_request(chunk.request.request_id, "error")
                 if req is not None:
                     self._reply(req.reply_to, RequestError(req.request_id, 500, f"model execution failed: {msg.message}", "internal_error"))
             return
+        self.scheduler.confirm_swaps(msg.step_id)
         for req, delta in self.scheduler.process_results(chunks, msg.sampled, msg.top_logprobs, msg.logprobs,
                                                              msg.prompt_logprobs):
             self._reply(req.reply_to, delta)
