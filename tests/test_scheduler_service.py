@@ -35,7 +35,8 @@ from shared.transport import DealerSocket, PullSocket, PushSocket, _Typed
 class Stage:
     """A scheduler service in a thread, with the test as its executor."""
 
-    def __init__(self, num_kv_blocks: int = 64, vocab_size: int = 0, argv: tuple[str, ...] = ()):
+    def __init__(self, num_kv_blocks: int = 64, vocab_size: int = 0, argv: tuple[str, ...] = (),
+                 num_swap_blocks: int = 0):
         self.ctx = zmq.Context()
         self.addrs = Addresses(**{name: f"inproc://{name}" for name in ADDRESS_NAMES})
         parser = argparse.ArgumentParser()
@@ -49,7 +50,7 @@ class Stage:
         self.thread = threading.Thread(target=self.service.serve, daemon=True)
         self.thread.start()
         self.executor_out.send(ExecutorReady("test-executor", num_kv_blocks, 4, 256, instance="test",
-                                             vocab_size=vocab_size))
+                                             vocab_size=vocab_size, num_swap_blocks=num_swap_blocks))
 
     def tokenizer(self, name: str) -> DealerSocket:
         return DealerSocket(self.ctx, self.addrs.scheduler_in, SchedulerToTokenizer, name)
