@@ -202,3 +202,33 @@ def test_the_swap_outs_of_a_failed_step_are_recomputed_not_swapped_in(async_sche
         assert sched.swap.num_free_blocks == 40 and not sched.requests
     finally:
         stage.close()
+
+
+def test_replace_pool_keeps_the_scheduler_consistent_and_outputs_unchanged():
+    """Scheduler level: halfway through, the pool becomes another (fewer blocks, another block
+    size, swap space); invariants hold every step and every request that fits gives the output
+    of an undisturbed run."""
+    from services.scheduler.block_manager import BlockManager
+    from services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from services.scheduler.swap_space import SwapSpace
+    from tests.test_scheduler import FakeExecutor, make, run_until_done
+
+    def build(sched):
+        for i in range(6):
+            sched.add_request(make(f"q{i}", 5 + 3 * i, 40 if i == 5 else 12, n=2 if i == 2 else 1))
+
+    big = Scheduler(SchedulerConfig(), BlockManager(1000, 4))
+    build(big)
+    expected, _ = run_until_done(big)
+    sched = Scheduler(SchedulerConfig(preemption_mode="swap"), BlockManager(64, 4), SwapSpace(64))
+    build(sched)
+    got, _ = run_until_done(sched, until=lambda s: s.num_steps_total == 6)
+    ended = sched.replace_pool(BlockManager(7, 8), SwapSpace(20), SchedulerConfig(preemption_mode="swap"))
+    sched.check_invariants()
+    assert {r.request_id for r, _ in ended} == {"q5"}  # 20 + 40 tokens: 8 blocks of 8; the pool holds 7
+    more, _ = run_until_done(sched, executor=FakeExecutor(8))
+    for key, tokens in more.items():
+        got.setdefault(key, []).extend(tokens)
+    assert {k: v for k, v in got.items() if k != "q5"} == {k: v for k, v in expected.items() if k != "q5"}
+    assert sched.num_swapped_out_total > 0  # the new pool was tight: it swapped, and back
+    assert not sched.requests and sched.blocks.num_used_blocks == 0 and sched.swap.num_free_blocks == 20
