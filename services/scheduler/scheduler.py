@@ -685,5 +685,7 @@ class Scheduler:
             assert not r.block_table and (r.num_computed_tokens == 0 or r.swapped_blocks)
         if self.swap is not None:
             self.swap.check_invariants([r.swapped_blocks for r in live])
+        # a swap-out whose step is not answered yet is not swapped back in
+        assert not any(r.status is RequestStatus.RUNNING for reqs in self._swap_outs.values() for r in reqs)
         assert set(self.running) | set(self.waiting) == set(live)
         assert len(self.running) + len(self.waiting) == len(live)
