@@ -94,6 +94,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="processes each engine's executor is split over (torch.distributed: gloo on the CPU, "
                              "NCCL on CUDA, one GPU per rank)")
+    parser.add_argument("--allow-insecure-tp-rendezvous", action="store_true",
+                        help="passed to the executors: let tensor-parallel ranks meet on a non-loopback address "
+                             "(unauthenticated plaintext; the launcher's own ranks meet on 127.0.0.1)")
     parser.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
                         help="with several engines: prefix-aware (with a load cap), least-loaded or round-robin")
     parser.add_argument("--executor-threads", type=int, default=None, help="torch threads in the executor")
@@ -226,6 +229,7 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses,
             cmds[f"executor{suffix}"] = base + ["executor"] + executor + device + own
             continue
         group = ["--tensor-parallel-size", str(tp), "--tp-init-address", f"tcp://127.0.0.1:{tp_ports[i]}"]
+        group += ["--allow-insecure-tp-rendezvous"] if getattr(args, "allow_insecure_tp_rendezvous", False) else []
         for rank in range(tp):
             name = f"executor{suffix}" + (f"{RANK_SUFFIX}{rank}" if rank else "")
             cmds[name] = base + ["executor"] + executor + device + group + ["--tp-rank", str(rank)] + own

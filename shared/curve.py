@@ -8,17 +8,20 @@ binder's ZAP handler lets in only clients that prove they hold that same secret 
 
 A stage takes its key from --curve-key-file, else $PAGEDSERVE_CURVE_KEY_FILE, else
 $PAGEDSERVE_CURVE_SECRET_KEY (the Z85 secret key; its public key is derived). Keys are
-required, and a stage refuses to start without them, when any of its addresses is
-tcp:// on something other than a loopback host; on loopback and ipc:// they are optional
-(used when given).
+required, and a stage refuses to start without them, when any of its addresses could be
+reached from the network (`is_exposed`: every endpoint of an address list is parsed, its
+host resolved, and each resolved address must be loopback; ipc:// and inproc:// are local,
+anything unparsable or unresolvable counts as exposed). On loopback and ipc:// keys are
+optional (used when given).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import socket
 from dataclasses import dataclass
-from pathlib import Path
 
 import zmq
 import zmq.auth
@@ -26,7 +29,6 @@ import zmq.auth
 KEY_FILE_ENV = "PAGEDSERVE_CURVE_KEY_FILE"
 SECRET_KEY_ENV = "PAGEDSERVE_CURVE_SECRET_KEY"
 KEY_NAME = "pagedserve"
-LOOPBACK_HOSTS = ("localhost", "lo", "[::1]", "::1")
 
 
 class CurveKeyError(SystemExit):
@@ -58,11 +60,31 @@ class CurveKeys:
 
 
 def keygen(directory: str) -> tuple[str, str]:
-    """Write a new key pair into directory; (public file, secret file)."""
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(directory, KEY_NAME)
-    os.chmod(secret, 0o600)
-    return public, secret
+    """Write a new key pair into directory; (public file, secret file).
+
+    The secret file is created 0600 (a new directory 0700) by the open call itself, so there
+    is no moment when another user could read it; existing key files are never overwritten
+    (the running deployment's key stays as it is)."""
+    base = os.path.join(directory, KEY_NAME)
+    for path in (f"{base}.key", f"{base}.key_secret"):
+        if os.path.lexists(path):
+            raise CurveKeyError(f"{path} exists: keygen never overwrites a key (remove it first)")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    public, secret = zmq.curve_keypair()
+    body = f'curve\n    public-key = "{public.decode()}"\n'
+    _create(f"{base}.key", "#   pagedserve CURVE public key\n" + body, 0o644)
+    _create(f"{base}.key_secret", "#   pagedserve CURVE SECRET key: keep it private\n"
+            + body + f'    secret-key = "{secret.decode()}"\n', 0o600)
+    return f"{base}.key", f"{base}.key_secret"
+
+
+def _create(path: str, text: str, mode: int) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        raise CurveKeyError(f"{path} exists: keygen never overwrites a key (remove it first)") from None
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def add_curve_args(parser: argparse.ArgumentParser) -> None:
@@ -73,14 +95,55 @@ def add_curve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+LOCAL_TRANSPORTS = ("ipc", "inproc")  # never leave the host
+
+
 def is_exposed(address: str | None) -> bool:
-    """True for a tcp:// address that others on the network could reach."""
-    if not address or not address.startswith("tcp://"):
+    """True when any endpoint of address (one, or a comma-separated list) could be reached
+    from the network: a tcp:// host that does not resolve to loopback addresses only, the
+    wildcard, or a transport other than ipc:// and inproc://. Unparsable or unresolvable
+    endpoints count as exposed: keys are required where we cannot prove the socket local."""
+    if not address:
         return False
-    host = address[len("tcp://"):].rsplit(":", 1)[0]
-    if ";" in host:  # source;destination form: the destination decides
-        host = host.split(";", 1)[1]
-    return not (host.startswith("127.") or host in LOOPBACK_HOSTS)
+    return any(_endpoint_exposed(endpoint.strip()) for endpoint in address.split(","))
+
+
+def _endpoint_exposed(endpoint: str) -> bool:
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        return True
+    if scheme in LOCAL_TRANSPORTS:
+        return False
+    if scheme != "tcp":
+        return True
+    host = rest.rsplit(";", 1)[-1]  # source;destination form: the destination decides
+    host, sep, port = host.rpartition(":")
+    if not sep or not host:
+        return True
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return not _resolves_to_loopback_only(host)
+
+
+def _resolves_to_loopback_only(host: str) -> bool:
+    if host == "*" or not host:
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    addresses = []
+    for info in infos:
+        try:
+            addresses.append(ipaddress.ip_address(info[4][0].split("%", 1)[0]))
+        except ValueError:
+            return False
+    return bool(addresses) and all(_is_loopback(a) for a in addresses)
+
+
+def _is_loopback(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is 127.0.0.1
+    return (mapped or address).is_loopback
 
 
 def load_keys(key_file: str | None, addresses: list[str | None]) -> CurveKeys | None:

@@ -106,6 +106,9 @@ class GenerateRequest(Struct, tag=True):
     messages: list[ChatMessage] | None = None
     chat: ChatOptions | None = None
     add_special_tokens: bool | None = None  # None: the default for the prompt's kind
+    # the gateway process that sent it (its INSTANCE_ID): when that gateway is gone (a new
+    # instance beats, or GatewayBeats stop), the tokenizer replica aborts the request
+    gateway_instance: str = ""
 
 
 class AbortRequest(Struct, tag=True):
@@ -164,7 +167,16 @@ class EngineLoads(Struct, tag=True):
     engines: list[EngineLoad]
 
 
-GatewayToTokenizer = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | WatchPool | EngineLoads
+class GatewayBeat(Struct, tag=True):
+    """The gateway is alive: sent to every live tokenizer replica every GATEWAY_BEAT_S
+    (`services.gateway.engine_client`), so a replica can abort the requests of a gateway
+    that died (`services.tokenizer.gateway_watch`)."""
+
+    instance: str
+
+
+GatewayToTokenizer = (GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | WatchPool | EngineLoads
+                      | GatewayBeat)
 
 
 # --- tokenizer -> gateway -------------------------------------------------------------

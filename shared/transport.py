@@ -10,7 +10,8 @@ ZMQ_MAXMSGSIZE, so a peer that sends a frame larger than any legal message is
 disconnected (the frame never reaches memory) while the socket serves the others; and,
 when the context has CURVE keys (`shared.curve`), CURVE on every socket: binders are
 servers whose ZAP handler admits only clients holding the deployment's key, connecters
-are clients of the same key. Without keys (ipc://, loopback) sockets are plain.
+are clients of the same key. Without keys sockets are plain, and only on addresses
+`shared.curve.is_exposed` proves local (ipc://, inproc://, tcp:// resolving to loopback).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
-from shared.curve import CurveKeys
+from shared.curve import CurveKeyError, CurveKeys, is_exposed
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -124,6 +125,9 @@ def _open(ctx: zmq.Context, kind: int, address: str, bind: bool, opts: dict | No
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)
     keys = settings.curve
+    if keys is None and is_exposed(address):  # stages refuse at start; this keeps any other socket honest
+        raise CurveKeyError(f"refusing a plain socket on {address}: it can be reached from the network; "
+                            "configure the context with the deployment's CURVE keys")
     if keys is not None:
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)

@@ -6,6 +6,8 @@ stage refuses to start on a network address without a key."""
 from __future__ import annotations
 
 import os
+import socket
+import stat
 import subprocess
 import sys
 import time
@@ -13,9 +15,10 @@ import time
 import msgspec
 import pytest
 import zmq
+import zmq.auth
 
 from shared.config import Addresses
-from shared.curve import SECRET_KEY_ENV, CurveKeys, load_keys
+from shared.curve import SECRET_KEY_ENV, CurveKeyError, CurveKeys, is_exposed, keygen, load_keys
 from shared.messages import Heartbeat, StatusToGateway
 from shared.transport import PullSocket, PushSocket, configure
 from tests.helpers import ROOT, free_port
@@ -141,6 +144,73 @@ def test_keys_are_required_on_network_addresses_only(keys, tmp_path, monkeypatch
         load_keys(str(tmp_path / "public.key"), [])
     with pytest.raises(SystemExit, match="cannot read the CURVE key file"):
         load_keys(str(tmp_path / "missing"), [])
+
+
+def fake_dns(monkeypatch, names: dict[str, list[str]]) -> None:
+    """getaddrinfo answers these names as a resolver would; others resolve as usual."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kw):
+        if host not in names:
+            return real(host, *args, **kw)
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in names[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def test_every_endpoint_is_parsed_and_resolved_before_it_counts_as_loopback(monkeypatch):
+    fake_dns(monkeypatch, {"127.0.0.1.evil.com": ["10.0.0.2"], "half.example": ["127.0.0.1", "10.0.0.3"],
+                           "lo-only.example": ["127.0.0.1", "::1"]})
+    local = ["ipc:///tmp/x.ipc", "inproc://steps", "tcp://127.0.0.1:1", "tcp://127.0.0.2:1", "tcp://127.1:1",
+             "tcp://localhost:1", "tcp://[::1]:1", "tcp://[::ffff:127.0.0.1]:1", "tcp://127.0.0.1:*",
+             "tcp://lo-only.example:1", "tcp://127.0.0.1:1,tcp://[::1]:2", "ipc:///a.ipc, tcp://127.0.0.1:2",
+             "tcp://10.0.0.9:0;127.0.0.1:5"]  # source;destination: only the destination is reached
+    exposed = ["tcp://127.0.0.1:1,tcp://10.0.0.2:2", "tcp://[::1]:1,tcp://*:2", "tcp://127.0.0.1.evil.com:1",
+               "tcp://half.example:1", "tcp://0.0.0.0:1", "tcp://[::]:1", "tcp://*:1", "tcp://[2001:db8::1]:1",
+               "tcp://127.0.0.1;10.0.0.2:5", "tcp://no-such-host.invalid:1", "tcp://127.0.0.1", "tcp://:1",
+               "udp://127.0.0.1:1", "ws://127.0.0.1:1", "127.0.0.1:1", "tcp://10.0.0.2@127.0.0.1:1"]
+    assert [a for a in local if is_exposed(a)] == []
+    assert [a for a in exposed if not is_exposed(a)] == []
+    monkeypatch.delenv("PAGEDSERVE_CURVE_KEY_FILE", raising=False)
+    monkeypatch.delenv(SECRET_KEY_ENV, raising=False)
+    with pytest.raises(SystemExit, match="refusing to start.*10.0.0.2"):
+        load_keys(None, ["tcp://127.0.0.1:1,tcp://10.0.0.2:2"])
+
+
+def test_a_plain_socket_refuses_a_network_address(contexts):
+    ctx = contexts()  # no keys
+    with pytest.raises(CurveKeyError, match="refusing a plain socket on tcp://0.0.0.0"):
+        PullSocket(ctx, f"tcp://0.0.0.0:{free_port()}", StatusToGateway)
+    PullSocket(ctx, f"tcp://127.0.0.1:{free_port()}", StatusToGateway)  # loopback stays plain
+
+
+def test_keygen_creates_the_secret_0600_with_no_window(tmp_path, monkeypatch):
+    """The secret file is never readable by others, even for an instant: created 0600 (under
+    a umask that would leave it world-readable), its directory 0700, and never chmod-ed after."""
+    chmods = []
+    monkeypatch.setattr(os, "chmod", lambda *a, **kw: chmods.append(a))
+    real_open = os.open
+    modes_at_creation = {}
+
+    def watching_open(path, flags, mode=0o777, *a, **kw):
+        fd = real_open(path, flags, mode, *a, **kw)
+        modes_at_creation[os.path.basename(path)] = stat.S_IMODE(os.fstat(fd).st_mode)
+        return fd
+
+    monkeypatch.setattr(os, "open", watching_open)
+    old_umask = os.umask(0)
+    try:
+        public, secret = keygen(str(tmp_path / "new" / "keys"))
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+    assert modes_at_creation.get("pagedserve.key_secret") == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "new" / "keys").st_mode) == 0o700
+    assert chmods == []
+    assert CurveKeys.from_file(secret).public == zmq.auth.load_certificate(public)[0]
+    with pytest.raises(SystemExit, match="exists: keygen never overwrites"):
+        keygen(str(tmp_path / "new" / "keys"))
+    assert CurveKeys.from_file(secret).public == zmq.auth.load_certificate(public)[0]  # the pair is untouched
 
 
 def test_a_stage_on_a_network_address_without_a_key_refuses_to_start():

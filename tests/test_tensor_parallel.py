@@ -191,6 +191,93 @@ def test_an_idle_rank_whose_peer_dies_exits(tiny_model_dir, tmp_path, victim):
         stop_ranks(procs)
 
 
+# --- the rendezvous: loopback only, unless asked for --------------------------------------
+
+JOIN_AND_REPORT = """
+import json, os, socket, sys, torch
+from services.executor.tp_group import TPGroup
+rank, address, insecure = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+group = TPGroup.join(rank, 2, address, torch.device("cpu"), timeout_s=60, allow_insecure=insecure)
+total = group.all_reduce(torch.tensor([rank + 1.0]))
+inodes = set()
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        continue  # listdir's own
+    if target.startswith("socket:["):
+        inodes.add(target[8:-1])
+listening = []
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for row in open(table).read().splitlines()[1:]:
+        cols = row.split()
+        if cols[3] == "0A" and cols[9] in inodes:  # LISTEN, one of this process's sockets
+            listening.append(cols[1].split(":")[0])
+print(json.dumps({"sum": total.item(), "listening": listening}))
+group.close()
+"""
+LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc/net shows them
+
+
+def join_pair(address: str, insecure: bool) -> list[subprocess.CompletedProcess]:
+    procs = [subprocess.Popen([sys.executable, "-c", JOIN_AND_REPORT, str(rank), address, "1" if insecure else "0"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")})
+             for rank in range(2)]
+    for p in procs:
+        p.out, p.err = p.communicate(timeout=120)
+    return procs
+
+
+def test_the_rendezvous_listens_on_loopback_alone():
+    """Rank 0's store and both ranks' gloo listeners bind loopback addresses only (torch's
+    own tcp:// rendezvous listens on every interface)."""
+    for p in join_pair(f"tcp://127.0.0.1:{free_port()}", insecure=False):
+        assert p.returncode == 0, p.err
+        report = json.loads(p.out.splitlines()[-1])
+        assert report["sum"] == 3.0
+        assert report["listening"] and set(report["listening"]) <= LOOPBACK_HEX, report
+
+
+def test_a_network_rendezvous_is_refused_without_the_flag(tiny_model_dir, tmp_path):
+    with pytest.raises(SystemExit, match="refusing the tensor-parallel rendezvous at tcp://10.0.0.2:29500.*"
+                                         "--allow-insecure-tp-rendezvous"):
+        TPGroup.join(1, 2, "tcp://10.0.0.2:29500", torch.device("cpu"), timeout_s=5)
+    for address in ("tcp://0.0.0.0:1", "tcp://127.0.0.1.evil.invalid:1", "tcp://*:1"):
+        with pytest.raises(SystemExit, match="refusing the tensor-parallel rendezvous"):
+            TPGroup.join(0, 2, address, torch.device("cpu"), timeout_s=5)
+    # the executor stage refuses before it loads anything
+    env = {**os.environ, "PAGEDSERVE_ALLOW_INSECURE_TP_RENDEZVOUS": ""}
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "stage", "executor", "--model", str(tiny_model_dir),
+         "--tensor-parallel-size", "2", "--tp-rank", "1", "--tp-init-address", "tcp://0.0.0.0:29500",
+         "--executor-in", f"ipc://{tmp_path}/in.ipc", "--executor-out", f"ipc://{tmp_path}/out.ipc"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0
+    assert "refusing the tensor-parallel rendezvous" in result.stderr and "--allow-insecure-tp-rendezvous" in result.stderr
+
+
+def test_the_flag_lets_a_network_rendezvous_through_with_a_warning():
+    for p in join_pair(f"tcp://0.0.0.0:{free_port()}", insecure=True):  # 0.0.0.0: a network address
+        assert p.returncode == 0, p.err
+        assert json.loads(p.out.splitlines()[-1])["sum"] == 3.0
+        assert "unauthenticated and unencrypted" in p.err and "--allow-insecure-tp-rendezvous" in p.err
+
+
+def test_serve_passes_the_flag_to_every_rank(tiny_model_dir):
+    from services.cli import build_parser
+    from services.launcher import stage_commands
+    from shared.config import Addresses
+
+    for flag, expected in (([], False), (["--allow-insecure-tp-rendezvous"], True)):
+        args = build_parser().parse_args(["serve", "--model", str(tiny_model_dir), "--tensor-parallel-size", "2", *flag])
+        cmds = stage_commands(args, Addresses.ipc("/tmp/x"), tp_ports=[29500])
+        ranks = [cmd for name, cmd in cmds.items() if name.startswith("executor")]
+        assert len(ranks) == 2
+        assert all(("--allow-insecure-tp-rendezvous" in cmd) == expected for cmd in ranks)
+        assert all("tcp://127.0.0.1:29500" in cmd for cmd in ranks)
+
+
 # --- serving through the HTTP API ----------------------------------------------------------
 
 SERVE = ["--dtype", "float32", "--quantization", "none", "--served-model-name", "tiny-llama", "--num-kv-blocks", "1024"]

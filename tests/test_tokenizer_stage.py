@@ -177,3 +177,16 @@ def test_echo_prompt_logprobs_and_stop_reason_on_the_first_delta(stage, tok):
     assert first.prompt_logprobs[1].token == tok.convert_ids_to_tokens(ids[1]).replace("Ġ", " ")
     assert first.logprobs[0].token == tok.decode([5]) and first.logprobs[0].bytes == list(tok.decode([5]).encode())
     assert last.prompt_text is None and last.finish_reason == "stop" and last.stop_reason == 99
+
+
+def test_gateway_watch_finds_a_replaced_or_silent_gateway():
+    from services.tokenizer.gateway_watch import GatewayWatch
+
+    now = [0.0]
+    watch = GatewayWatch(lost_after_s=5.0, clock=lambda: now[0])
+    assert watch.heard("") == set() and watch.heard("g1") == set()
+    now[0] = 4.0
+    assert watch.heard("g1") == set() and watch.expired() == set()
+    assert watch.heard("g2") == {"g1"}  # a new gateway instance: the old one is gone
+    now[0] = 9.5
+    assert watch.expired() == {"g2"} and watch.expired() == set()  # silent past the limit, reported once

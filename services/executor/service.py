@@ -35,7 +35,14 @@ import zmq
 from services.executor.kv_cache import parse_size
 from services.executor.model_runner import ModelRunner
 from services.executor.previous_tokens import PreviousTokens
-from services.executor.tp_group import KEEPALIVE_S, GroupBroken, TPGroup
+from services.executor.tp_group import (
+    INSECURE_ENV,
+    INSECURE_FLAG,
+    KEEPALIVE_S,
+    GroupBroken,
+    TPGroup,
+    insecure_allowed,
+)
 from shared import cpu_placement
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
 from shared.curve import stage_keys
@@ -105,7 +112,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="ranks this executor's model is split over (one process each, started with --tp-rank)")
     parser.add_argument("--tp-rank", type=int, default=0, help="this process's rank in the tensor-parallel group")
     parser.add_argument("--tp-init-address", default=os.environ.get("PAGEDSERVE_TP_INIT_ADDRESS"),
-                        help="tcp://host:port where the ranks meet (rank 0 listens there)")
+                        help="tcp://host:port where the ranks meet (rank 0 listens there); loopback only unless "
+                             f"{INSECURE_FLAG}")
+    parser.add_argument(INSECURE_FLAG, action="store_true",
+                        help="let the ranks meet on a non-loopback address: torch.distributed and gloo are "
+                             f"unauthenticated plaintext (or ${INSECURE_ENV}=1); only on a network no one else reaches")
     add_address_args(parser, required=False)
     add_log_args(parser)
 
@@ -148,7 +159,8 @@ class Executor:
         if args.threads:
             torch.set_num_threads(args.threads)
         device = rank_device(args.device, rank, size)
-        group = (TPGroup.join(rank, size, args.tp_init_address, torch.device(device)) if size > 1
+        group = (TPGroup.join(rank, size, args.tp_init_address, torch.device(device),
+                              allow_insecure=insecure_allowed(args.allow_insecure_tp_rendezvous)) if size > 1
                  else TPGroup.single())
         if rank > 0:
             code = self.follow(self.load(device, group), group)

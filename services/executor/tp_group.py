@@ -16,6 +16,14 @@ KEEPALIVE_S, so a dead peer is noticed between steps too, and the waiting ranks 
 reach the group's timeout. A size-1 group (`TPGroup.single()`) has no process group and
 every collective is the identity.
 
+Rendezvous: torch.distributed's store and gloo's pairs are unauthenticated plaintext TCP,
+so `join` meets only on a loopback address (`shared.curve.is_exposed` decides, after
+resolving the host): rank 0 listens on that address alone (torch's own TCPStore would
+listen on every interface) and gloo/NCCL are pinned to the loopback interface. Any other
+address is refused unless `allow_insecure` (--allow-insecure-tp-rendezvous, or
+$PAGEDSERVE_ALLOW_INSECURE_TP_RENDEZVOUS=1), and then a warning is logged: such a group
+must sit on a network nobody else can reach.
+
 Exit: gloo's worker thread drops its reference to a finished collective's tensors after
 the caller's wait returns; when that is the last reference to a tensor made in Python it
 takes the GIL to free it, and during interpreter shutdown that aborts the process
@@ -29,6 +37,8 @@ until the next message, so that join never waits for a worker that waits for the
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -38,15 +48,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shared.curve import is_exposed
 from shared.messages import RankZeroToRanks
 
 log = logging.getLogger(__name__)
 
 TIMEOUT_S = 300.0  # a collective (model loading included before the first) waits this long for its peers
 KEEPALIVE_S = 1.0
+INSECURE_FLAG = "--allow-insecure-tp-rendezvous"
+INSECURE_ENV = "PAGEDSERVE_ALLOW_INSECURE_TP_RENDEZVOUS"
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(RankZeroToRanks)
+
+
+class RendezvousRefused(SystemExit):
+    """An address the ranks would meet on in the clear where others can reach it."""
 
 
 class GroupBroken(RuntimeError):
@@ -74,8 +91,9 @@ class TPGroup:
 
     @classmethod
     def join(cls, rank: int, size: int, init_address: str, device: torch.device,
-             timeout_s: float = TIMEOUT_S) -> TPGroup:
-        """Rendezvous of `size` ranks at `init_address` (tcp://host:port, served by rank 0)."""
+             timeout_s: float = TIMEOUT_S, allow_insecure: bool = False) -> TPGroup:
+        """Rendezvous of `size` ranks at `init_address` (tcp://host:port, served by rank 0);
+        a non-loopback address only with allow_insecure (see the module's docstring)."""
         if not 0 <= rank < size:
             raise ValueError(f"tensor-parallel rank {rank} outside a group of {size}")
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -83,7 +101,18 @@ class TPGroup:
             torch.cuda.set_device(device)  # before NCCL's first communicator: else every rank starts on GPU 0
         timeout = timedelta(seconds=timeout_s)
         log.info("rank %d of %d joining at %s (%s)", rank, size, init_address, backend)
-        dist.init_process_group(backend, init_method=init_address, rank=rank, world_size=size, timeout=timeout)
+        if is_exposed(init_address):
+            if not allow_insecure:
+                raise RendezvousRefused(
+                    f"refusing the tensor-parallel rendezvous at {init_address}: torch.distributed's store and "
+                    f"gloo are unauthenticated plaintext TCP, so ranks meet only on loopback addresses. Give "
+                    f"{INSECURE_FLAG} (or {INSECURE_ENV}=1) only where no one else can reach that network.")
+            log.warning("tensor-parallel rendezvous at %s is unauthenticated and unencrypted (%s): anyone who "
+                        "can reach it can join the group or read its tensors", init_address, INSECURE_FLAG)
+            dist.init_process_group(backend, init_method=init_address, rank=rank, world_size=size, timeout=timeout)
+        else:
+            store = _loopback_store(init_address, rank, size, timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
         world = dist.group.WORLD
         cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         log.info("rank %d of %d joined", rank, size)
@@ -144,3 +173,35 @@ class TPGroup:
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
         self.device_group = self.cpu_group = None  # the last references: the process group goes now
+
+
+def insecure_allowed(flag: bool) -> bool:
+    return flag or os.environ.get(INSECURE_ENV, "") not in ("", "0")
+
+
+def _loopback_store(init_address: str, rank: int, size: int, timeout: timedelta) -> dist.TCPStore:
+    """The group's store on a loopback address alone, gloo's and NCCL's sockets on the
+    loopback interface (unless the operator named one)."""
+    host, _, port = init_address[len("tcp://"):].rpartition(":")
+    host, port = host.strip("[]"), int(port)
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if loopback is not None and not os.environ.get(name):
+            os.environ[name] = loopback
+    if rank > 0:
+        return dist.TCPStore(host, port, size, False, timeout)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(max(64, size))
+    except OSError:
+        listener.close()
+        raise
+    fd = listener.detach()  # the store owns it from here
+    try:
+        return dist.TCPStore(host, port, size, True, timeout, master_listen_fd=fd)
+    except Exception:
+        os.close(fd)
+        raise

@@ -10,6 +10,12 @@ falls that far behind (its client stopped reading) has its request aborted at on
 
 Routing (`routing.TokenizerRouter`): each request goes to a live tokenizer replica the
 gateway picks, its aborts to that same replica (or, when it is lost, through another).
+An abort no replica can take (all of them down or restarting) waits in a bounded queue
+(MAX_PENDING_ABORTS, oldest dropped first) and goes out as soon as one is live
+(`run_upkeep`), so the scheduler never keeps generating for a request nobody reads.
+Every request names this gateway's INSTANCE_ID, and `run_upkeep` sends a GatewayBeat
+to every live replica each GATEWAY_BEAT_S: when this process dies, the replicas abort
+its requests (`services.tokenizer.gateway_watch`).
 
 Recovery: a tokenizer replica acknowledges each request it takes (RequestAccepted, with
 its instance id). When the watchdog finds a replica dead, its requests, and those no
@@ -27,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -35,10 +42,12 @@ import zmq.asyncio
 from services.gateway.replay import Replay, ReplayDiverged
 from services.gateway.routing import TokenizerRouter
 from shared.config import Addresses
+from shared.heartbeat import INSTANCE_ID
 from shared.messages import (
     AbortRequest,
     DetokenizeRequest,
     EngineLoads,
+    GatewayBeat,
     GatewayToTokenizer,
     GenerateRequest,
     RequestAccepted,
@@ -56,6 +65,9 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 5  # a request is sent at most this many times
 DEFAULT_MAX_BUFFERED = 1024  # messages waiting for one request's handler
+MAX_PENDING_ABORTS = 10_000  # aborts waiting for a live tokenizer replica
+UPKEEP_S = 0.05  # how often pending aborts are tried again
+GATEWAY_BEAT_S = 0.5  # well inside the replicas' GATEWAY_LOST_AFTER_S
 
 
 class EngineError(Exception):
@@ -103,6 +115,8 @@ class EngineClient:
         self._calls: dict[str, asyncio.Future] = {}  # one-shot requests (/tokenize, /detokenize) by id
         self.on_retry = on_retry
         self.on_routed = on_routed
+        self.instance = INSTANCE_ID
+        self._pending_aborts: deque[tuple[str, str | None]] = deque()  # (pipeline id, replica)
 
     @property
     def num_in_flight(self) -> int:
@@ -167,13 +181,51 @@ class EngineClient:
         return reply
 
     def open(self, request: GenerateRequest, timeout_s: float) -> RequestStream:
+        request = msgspec.structs.replace(request, gateway_instance=self.instance)
         return RequestStream(self, request, time.monotonic() + timeout_s)
 
     def abort(self, request_id: str, replica: str | None = None) -> None:
         """To the replica that has the request (else any live one); never waits, so it
-        works from a handler that is being cancelled."""
+        works from a handler that is being cancelled. With no replica to take it, it waits
+        for one (`run_upkeep`)."""
         if self._to_tokenizer.send_nowait(AbortRequest(request_id), prefer=replica) is None:
-            log.warning("%s: no tokenizer replica could take its abort", request_id)
+            if len(self._pending_aborts) >= MAX_PENDING_ABORTS:
+                dropped, _ = self._pending_aborts.popleft()
+                log.error("%s: %d aborts wait for a tokenizer replica; dropping the oldest", dropped,
+                          MAX_PENDING_ABORTS)
+            elif not self._pending_aborts:
+                log.warning("%s: no tokenizer replica can take its abort now; it waits for one", request_id)
+            self._pending_aborts.append((request_id, replica))
+
+    @property
+    def num_pending_aborts(self) -> int:
+        return len(self._pending_aborts)
+
+    def flush_aborts(self) -> int:
+        """Send the waiting aborts, oldest first, while a replica takes them; how many went."""
+        sent = 0
+        while self._pending_aborts:
+            request_id, replica = self._pending_aborts[0]
+            if self._to_tokenizer.send_nowait(AbortRequest(request_id), prefer=replica) is None:
+                break
+            self._pending_aborts.popleft()
+            sent += 1
+        if sent:
+            log.info("%d waiting aborts sent (%d still wait)", sent, len(self._pending_aborts))
+        return sent
+
+    async def run_upkeep(self) -> None:
+        """Pending aborts out as soon as a replica is live; a GatewayBeat every GATEWAY_BEAT_S."""
+        beat = GatewayBeat(self.instance)
+        next_beat = 0.0
+        while True:
+            if self._pending_aborts:
+                self.flush_aborts()
+            now = time.monotonic()
+            if now >= next_beat:
+                self._to_tokenizer.broadcast(beat)
+                next_beat = now + GATEWAY_BEAT_S
+            await asyncio.sleep(UPKEEP_S)
 
     async def watch_pool(self, msg: WatchPool) -> None:
         """A dashboard's subscription, down the pipeline to the scheduler (blocks while no

@@ -103,7 +103,7 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
     gateway = Gateway(client, tracker, metrics, served, {served, args.model}, args.request_timeout, args.model,
                       admission, args.max_request_bytes, args.client_timeout)
     hub = DashboardHub(metrics, client.watch_pool)
-    tasks = [loop.create_task(client.run_reader()),
+    tasks = [loop.create_task(client.run_reader()), loop.create_task(client.run_upkeep()),
              loop.create_task(_read_status(status, tracker, watchdog, hub, publisher)),
              loop.create_task(_watch(watchdog, publisher)), loop.create_task(hub.run()), loop.create_task(publisher.run())]
     app = gateway.make_app()

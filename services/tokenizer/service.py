@@ -11,7 +11,9 @@ acknowledged to the gateway with this process's instance id, so that the gateway
 retry the requests of a replica that dies. With several engines (data parallelism,
 --scheduler-in a comma-separated list, one address per engine) it routes each request
 to one of them (`engines.EngineLinks`, `engine_router.EngineRouter`), by the engines'
-loads the gateway sends (EngineLoads).
+loads the gateway sends (EngineLoads). When the gateway that sent requests is gone (a
+new gateway instance, or its GatewayBeats stop: `gateway_watch`), their aborts go to the
+scheduler, so a dead gateway's requests stop generating.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from services.tokenizer.engine_router import POLICIES
 from services.tokenizer.engines import EngineLinks
+from services.tokenizer.gateway_watch import GatewayWatch
 from services.tokenizer.prompts import PromptBuilder
 from services.tokenizer.stage import TokenizerStage
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
@@ -36,6 +39,7 @@ from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
 from shared.messages import (
     EngineLoads,
+    GatewayBeat,
     GatewayToTokenizer,
     GenerateRequest,
     RequestAccepted,
@@ -49,6 +53,7 @@ log = logging.getLogger(__name__)
 POLL_MS = 100
 STUCK_AFTER_S = 5.0  # a loop turn takes at most POLL_MS when idle
 GATEWAY_BATCH = 8  # new requests taken per turn before looking at the scheduler again
+GATEWAY_CHECK_S = 0.25  # how often the gateway's liveness is looked at
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -145,6 +150,14 @@ class _Progress:
 
 def _serve(stage: TokenizerStage, from_gateway: DealerSocket, scheduler: EngineLinks, stop, accepted,
            progress: _Progress) -> None:
+    gateways = GatewayWatch()
+    next_check = 0.0
+
+    def gateways_gone(instances: set[str], why: str) -> None:
+        if instances:
+            n = stage.abort_gateway(instances)
+            log.warning("gateway instance %s %s: aborted its %d requests", ",".join(sorted(instances)), why, n)
+
     while not stop.is_set():
         progress.turned()
         busy = False
@@ -156,12 +169,20 @@ def _serve(stage: TokenizerStage, from_gateway: DealerSocket, scheduler: EngineL
             if msg is None:
                 break
             busy = True
+            if isinstance(msg, GatewayBeat):
+                gateways_gone(gateways.heard(msg.instance), "replaced by a new one")
+                continue
             if isinstance(msg, EngineLoads):
                 scheduler.update(msg)
                 continue
             if isinstance(msg, GenerateRequest):
+                gateways_gone(gateways.heard(msg.gateway_instance), "replaced by a new one")
                 accepted(msg.request_id)
             stage.handle_gateway(msg)
+        now = time.monotonic()
+        if now >= next_check:
+            next_check = now + GATEWAY_CHECK_S
+            gateways_gone(gateways.expired(), f"silent for over {gateways.lost_after_s:.0f} s")
         scheduler.forget_finished(stage.active)
         if not busy:
             wait_readable([from_gateway, *scheduler.sockets.values()], POLL_MS)

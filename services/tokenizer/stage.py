@@ -3,7 +3,8 @@
 Requests from the gateway are tokenized and passed on to the scheduler; token deltas
 from the scheduler are detokenized and passed back to the gateway. The replica keeps
 one Detokenizer per request it forwarded, until that request finishes, fails or is
-aborted; deltas for a request it no longer knows are ignored. A dashboard's WatchPool
+aborted (also when the gateway that sent it is gone: `abort_gateway`); deltas for a
+request it no longer knows are ignored. A dashboard's WatchPool
 is passed on to the scheduler as it is. A failure while handling
 one request, or token ids outside the vocabulary, end that request with a 500 and
 nothing else.
@@ -53,6 +54,7 @@ class _Active:
     detoks: dict[int, Detokenizer] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
     prompt_logprobs: list[TokenLogprob] | None = None  # filled with token texts once
+    gateway: str = ""  # the instance of the gateway that sent it
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -142,7 +144,7 @@ class TokenizerStage:
         if params.echo:
             prompt_text = req.prompt if req.prompt is not None else self.tokenizer.decode(
                 ids, skip_special_tokens=params.skip_special_tokens)
-        self.active[req.request_id] = _Active(self.tokenizer, params, ids, prompt_text)
+        self.active[req.request_id] = _Active(self.tokenizer, params, ids, prompt_text, gateway=req.gateway_instance)
         self._to_scheduler(
             TokenizedRequest(
                 request_id=req.request_id,
@@ -219,6 +221,14 @@ class TokenizerStage:
             out.prompt_logprobs = state.prompt_logprobs or []
         if params.echo or params.prompt_logprobs is not None:
             out.prompt_token_ids = state.prompt_ids
+
+    def abort_gateway(self, instances: set[str]) -> int:
+        """Abort every request of these gateway instances (gone: nobody reads them); how many."""
+        gone = [rid for rid, state in self.active.items() if state.gateway and state.gateway in instances]
+        for request_id in gone:
+            del self.active[request_id]
+            self._to_scheduler(AbortRequest(request_id))
+        return len(gone)
 
     def _fail(self, request_id: str, status: int, message: str, error_type: str) -> None:
         if self.active.pop(request_id, None) is not None:

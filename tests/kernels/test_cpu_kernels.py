@@ -74,6 +74,47 @@ def test_paged_attention_rejects_a_short_block_table():
         cpu.paged_attention(**inputs)
 
 
+def call_op(inputs, op) -> torch.Tensor:
+    """The C++ entry point itself (pybind, or the dispatcher op), no Python checks in front."""
+    out = torch.empty(inputs["query"].shape, dtype=inputs["query"].dtype)
+    op(out, inputs["query"], inputs["k_cache"], inputs["v_cache"], inputs["block_tables"],
+       inputs["query_start_loc"], inputs["context_lens"], 0.125, 0)
+    return out
+
+
+OPS = {"pybind": lambda: ext.paged_attention, "dispatcher": lambda: torch.ops.pagedserve.paged_attention}
+
+
+@pytest.mark.parametrize("op", OPS, ids=list(OPS))
+@pytest.mark.parametrize("bad", [-1, "pool", 1 << 40], ids=["negative", "pool_size", "huge"])
+@pytest.mark.parametrize("where", ["first", "last_used"])
+def test_paged_attention_rejects_a_block_id_outside_the_pool(op, bad, where):
+    inputs = build([(40, 1), (33, 33)], 4, 2, 64, 16, torch.float32)
+    call_op(inputs, OPS[op]())  # the good batch runs
+    num_blocks = inputs["k_cache"].shape[0]
+    tables = inputs["block_tables"].clone()
+    tables[1, 0 if where == "first" else 2] = num_blocks if bad == "pool" else bad
+    with pytest.raises(RuntimeError, match=r"sequence 1: block id -?\d+ at index \d outside the KV pool of "
+                                           rf"{num_blocks} blocks"):
+        call_op({**inputs, "block_tables": tables}, OPS[op]())
+
+
+@pytest.mark.parametrize("op", OPS, ids=list(OPS))
+def test_paged_attention_rejects_a_context_past_its_table_or_query(op):
+    inputs = build([(40, 1), (20, 5)], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(RuntimeError, match=r"sequence 0: block table too short for its context \(49 tokens need "
+                                           r"4 blocks, the table has 3\)"):
+        call_op({**inputs, "context_lens": torch.tensor([49, 20])}, OPS[op]())
+    with pytest.raises(RuntimeError, match="sequence 1: more new tokens than context"):
+        call_op({**inputs, "context_lens": torch.tensor([40, -3])}, OPS[op]())
+    with pytest.raises(RuntimeError, match="query_start_loc runs past the query's 6 tokens"):
+        call_op({**inputs, "query_start_loc": torch.tensor([0, 1, 600])}, OPS[op]())
+    with pytest.raises(RuntimeError, match="query_start_loc runs past"):
+        call_op({**inputs, "query_start_loc": torch.tensor([-4, 1, 6])}, OPS[op]())
+    with pytest.raises(RuntimeError, match="block_tables must be"):
+        call_op({**inputs, "block_tables": inputs["block_tables"].flatten()}, OPS[op]())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
 @pytest.mark.parametrize("rows", [1, 7, 200])
 def test_norms_and_silu_match_reference(dtype, rows):

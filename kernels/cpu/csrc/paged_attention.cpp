@@ -9,7 +9,9 @@
 // so grouped-query attention reads each K/V block once per tile and never copies it
 // per head. Work is the sequence's own context (blocks past the tile's last position,
 // or before its sliding window, are never touched); items run in parallel on torch's
-// OpenMP threads with dynamic scheduling, as contexts differ.
+// OpenMP threads with dynamic scheduling, as contexts differ. The entry point checks every
+// block id a context reads against the pool, and each context against its table, once per
+// sequence before any item runs: a bad table is a RuntimeError, never an out-of-bounds read.
 #include "common.h"
 #include "vec.h"
 
@@ -313,25 +315,39 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be the innermost, dense axis");
   TORCH_CHECK(out.scalar_type() == query.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "out must have the query's dtype, and the v cache the k cache's");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k and v caches must have the same shape");
+  TORCH_CHECK(block_tables.dim() == 2, "block_tables must be [seqs, max_blocks]");
   const auto tables = block_tables.to(at::kLong).contiguous();
   const auto qsl = query_start_loc.to(at::kLong).contiguous();
   const auto ctx = context_lens.to(at::kLong).contiguous();
   const int64_t num_seqs = ctx.numel();
   TORCH_CHECK(qsl.numel() == num_seqs + 1 && tables.size(0) == num_seqs, "per-sequence tensors disagree");
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
+  TORCH_CHECK(out.size(0) >= query.size(0) && out.size(1) == num_heads && out.size(2) == head_dim,
+              "out must be at least query's shape");
   const int64_t group = num_heads / num_kv_heads;
   const int64_t* qsl_p = qsl.data_ptr<int64_t>();
   const int64_t* ctx_p = ctx.data_ptr<int64_t>();
   const int64_t* tab_p = tables.data_ptr<int64_t>();
 
+  // Bounds, once per sequence (defence in depth behind BatchMetadata's checks): every query
+  // row, and every block id the context reads, inside its tensor, so a bad table raises here
+  // instead of reading another sequence's KV or past the pool.
+  TORCH_CHECK(num_seqs == 0 || (qsl_p[0] >= 0 && qsl_p[num_seqs] <= query.size(0)),
+              "query_start_loc runs past the query's ", query.size(0), " tokens");
   std::vector<WorkItem> items;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t q_len = qsl_p[i + 1] - qsl_p[i];
     TORCH_CHECK(q_len >= 0 && q_len <= ctx_p[i], "sequence ", i, ": more new tokens than context");
-    TORCH_CHECK((ctx_p[i] + block_size - 1) / block_size <= tables.size(1), "sequence ", i,
-                ": block table too short for its context");
+    const int64_t used_blocks = (ctx_p[i] + block_size - 1) / block_size;
+    TORCH_CHECK(used_blocks <= tables.size(1), "sequence ", i, ": block table too short for its context (",
+                ctx_p[i], " tokens need ", used_blocks, " blocks, the table has ", tables.size(1), ")");
+    const int64_t* table = tab_p + i * tables.size(1);
+    for (int64_t b = 0; b < used_blocks; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", i, ": block id ", table[b], " at index ",
+                  b, " outside the KV pool of ", num_blocks, " blocks");
     for (int64_t t = 0; t < q_len; t += kQueryTile)
       for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({i, t, std::min(q_len, t + kQueryTile), h});
   }
