@@ -52,6 +52,7 @@ class SamplingParams(Struct, frozen=True):
     structured: StructuredOutput | None = None
     bad_words: list[str] = []  # never generated (the tokenizer stage fills bad_words_ids)
     bad_words_ids: list[list[int]] = []
+    cache_salt: str | None = None  # requests with different salts never share cached blocks
 
 
 class ChatOptions(Struct, frozen=True):
