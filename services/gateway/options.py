@@ -45,4 +45,4 @@ def exposure_argv(args: argparse.Namespace) -> list[str]:
     return ["--max-queued-requests", str(args.max_queued_requests), "--shutdown-timeout", str(args.shutdown_timeout),
             "--max-request-bytes", str(args.max_request_bytes), "--client-timeout", str(args.client_timeout)] + (
                 ["--metrics-public"] if args.metrics_public else []) + (
-                ["--allowed-hosts", args.allowed_hosts] if args.allowed_hosts is not None else []) + limits_argv(args)
+                ["--allowed-hosts", args.allowed_hosts] if getattr(args, "allowed_hosts", None) is not None else []) + limits_argv(args)
