@@ -213,8 +213,8 @@ def test_host_names_are_read_without_port_brackets_or_case():
     assert host_name("127.0.0.1") == "127.0.0.1" and host_name("example.com.") == "example.com"
     loopback = HostCheck(None, "127.0.0.1")
     assert all(loopback.allows(h) for h in ("localhost:1", "127.0.0.1:8000", "[::1]", "127.0.0.5", "a.localhost",
-                                            None))
-    assert not any(loopback.allows(h) for h in ("evil.example", "localhost.evil.example", "10.0.0.1", ""))
+                                            None, ""))
+    assert not any(loopback.allows(h) for h in ("evil.example", "localhost.evil.example", "10.0.0.1", "[::2]"))
     assert HostCheck(None, "0.0.0.0").names is None and HostCheck(None, "10.1.2.3").names is None
     assert HostCheck("*", "127.0.0.1").names is None
     named = HostCheck("api.example, Other.example:443", "127.0.0.1")

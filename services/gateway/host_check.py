@@ -8,7 +8,7 @@ Ollama do, a gateway bound to a loopback address serves by default only `localho
 it is meant to be reached under names it cannot know, so every host is served.
 `--allowed-hosts a,b` names the hosts instead (`*`: all). Ports are ignored, and a loopback
 address is always served (the container probes ask http://127.0.0.1/health), as is a
-request with no Host header at all (no browser sends one). Every path is checked,
+request with no Host name at all (no browser sends one; Ollama's rule too). Every path is checked,
 /health and the dashboard too; any other host gets a 403 with an OpenAI-style error body.
 """
 
@@ -73,7 +73,7 @@ class HostCheck:
         self.subdomains = tuple("." + n for n in (names or ()) if n in LOCAL_NAMES)
 
     def allows(self, header: str | None) -> bool:
-        if self.names is None or header is None:
+        if self.names is None or not header:
             return True
         host = host_name(header)
         return host in self.names or host.endswith(self.subdomains) or is_loopback_address(host)
