@@ -256,3 +256,13 @@ def test_the_gateway_options_declare_allowed_hosts():
     parser = argparse.ArgumentParser()
     add_exposure_args(parser)
     assert parser.parse_args([]).allowed_hosts is None
+
+
+def test_the_openapi_description_states_the_limits_served():
+    from services.gateway.openapi import openapi_spec
+
+    spec = openapi_spec(["m"], secured=False, lim=RequestLimits(max_n=3, max_tools=5, max_logprobs=7))
+    chat = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    props = chat["properties"]
+    assert props["n"]["maximum"] == 3 and props["tools"]["maxItems"] == 5 and props["top_logprobs"]["maximum"] == 7
+    assert props["cache_salt"]["maxLength"] == 256

@@ -134,7 +134,7 @@ class Gateway:
 
     async def openapi(self, request: web.Request) -> web.Response:
         spec = openapi_spec(public_model_names(self.model_names), secured=self.admission.api_key is not None,
-                            metrics_public="/health" in self.admission.open_paths)
+                            metrics_public="/health" in self.admission.open_paths, lim=self.limits)
         return web.json_response(spec, dumps=_dumps)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
