@@ -266,3 +266,17 @@ def test_the_openapi_description_states_the_limits_served():
     props = chat["properties"]
     assert props["n"]["maximum"] == 3 and props["tools"]["maxItems"] == 5 and props["top_logprobs"]["maximum"] == 7
     assert props["cache_salt"]["maxLength"] == 256
+
+
+def test_compose_serves_the_names_its_clients_use():
+    """The gateway binds 0.0.0.0 in its container (every host by default), but is published on the
+    host's loopback: it names the hosts it answers to, those of the published port and Prometheus."""
+    import yaml
+
+    from tests.helpers import ROOT
+
+    command = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["gateway"]["command"]
+    default = command[command.index("--allowed-hosts") + 1].split(":-", 1)[1].rstrip("}")
+    check = HostCheck(default, "0.0.0.0")
+    assert all(check.allows(h) for h in ("localhost:8000", "127.0.0.1:8000", "gateway:8000"))
+    assert not check.allows("rebound.attacker.example")
