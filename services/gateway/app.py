@@ -6,7 +6,8 @@ for the first message before it sends headers, so an error the pipeline finds ea
 (prompt too long) is still a plain HTTP error; an error after that is an SSE error
 event followed by [DONE]. A handler that leaves early (client gone, timeout) aborts
 its request through the EngineClient. `Admission` decides first whether a request may
-enter at all (API key, draining, every stage alive, queue bound).
+enter at all (API key, draining, every stage alive, queue bound), after `HostCheck` (the
+Host names served); the parser holds each request to the gateway's `RequestLimits`.
 
 Clients are held to `client_timeout_s`: a body must be application/json (415 otherwise,
 so a web page cannot post one from a browser without a CORS preflight) and arrive in
@@ -30,6 +31,8 @@ from services.gateway.admission import RETRY_AFTER_S, Admission
 from services.gateway.batch_stream import BatchStream
 from services.gateway.engine_client import EngineClient, EngineError, RequestStream, RequestTimeout
 from services.gateway.health import StageTracker
+from services.gateway.host_check import HostCheck
+from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.metrics import Metrics, RequestTimer
 from services.gateway.openai_schema import (
     ApiError,
@@ -95,7 +98,10 @@ class Gateway:
         admission: Admission | None = None,
         max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
+        limits: RequestLimits = DEFAULT_LIMITS,
+        host_check: HostCheck | None = None,
     ):
+        self.limits, self.host_check = limits, host_check
         self.client, self.tracker, self.metrics = client, tracker, metrics
         self.admission = admission or Admission(None, None, lambda: 0, lambda: None)
         self.max_body_bytes = max_body_bytes
@@ -109,7 +115,10 @@ class Gateway:
         self.tokens = TokenizeRoutes(client, self.model_names, self._read_body, error_response)
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self.admission.middleware()])
+        checks = [self.admission.middleware()]
+        if self.host_check is not None and self.host_check.names is not None:
+            checks.insert(0, self.host_check.middleware())
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=checks)
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -125,7 +134,7 @@ class Gateway:
 
     async def openapi(self, request: web.Request) -> web.Response:
         spec = openapi_spec(public_model_names(self.model_names), secured=self.admission.api_key is not None,
-                            metrics_public="/health" in self.admission.open_paths)
+                            metrics_public="/health" in self.admission.open_paths, lim=self.limits)
         return web.json_response(spec, dumps=_dumps)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -159,7 +168,7 @@ class Gateway:
                 "The request body must be JSON, sent with 'Content-Type: application/json'.", 415,
                 code="unsupported_media_type"))
         try:
-            parsed = parse(parse_json(await self._read_body(request)), self.model_names)
+            parsed = parse(parse_json(await self._read_body(request)), self.model_names, self.limits)
         except ApiError as exc:
             return error_response(exc)
         refused = self.admission.check_capacity()
@@ -215,6 +224,9 @@ class Gateway:
                 break
             msg = await stream.next()
         choices = [("".join(t), c.finish_reason, ids) for t, c, ids in zip(texts, out.choices, token_ids, strict=True)]
+        if out.tool_mode is not None:
+            for index, (text, _, _) in enumerate(choices):
+                await out.parse_calls(index, text)
         body = out.full(choices, out.usage())
         return web.json_response(body, dumps=_dumps)
 
@@ -252,6 +264,8 @@ class Gateway:
                 while True:
                     timer.on_delta(msg)
                     done = out.record(msg)
+                    if out.tool_mode is not None and msg.finish_reason is not None:
+                        await out.parse_calls(msg.seq_index, out.choices[msg.seq_index].held + msg.text)
                     if (msg.text or msg.finish_reason is not None or (out.return_token_ids and msg.token_ids)
                             or (out.logprobs and msg.logprobs)):
                         chunk = out.chunk(msg.text, msg.finish_reason, token_ids=msg.token_ids,

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 # Accepted and ignored: bookkeeping, routing and hints that leave the tokens unchanged.
 HARMLESS = frozenset({
-    "user", "metadata", "store", "service_tier", "request_id", "priority", "cache_salt", "prompt_cache_key",
+    "user", "metadata", "store", "service_tier", "request_id", "priority", "prompt_cache_key",
     "safety_identifier", "cache_prompt", "stream", "modalities", "parallel_tool_calls", "mm_processor_kwargs",
     "kv_transfer_params", "vllm_xargs", "id_slot", "slot_id", "t_max_predict_ms",
 })

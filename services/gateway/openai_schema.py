@@ -2,9 +2,11 @@
 
 Parsing is strict about what pagedserve uses (types, ranges, the model name) and
 lenient about the rest: unknown fields such as `user` are ignored, so OpenAI clients
-work unchanged. Fields that would change the answer but are not implemented (echo,
-logprobs, penalties, n > 1, ...) are refused rather than silently ignored. Every
-rejection is an ApiError that renders as an OpenAI-style error body.
+work unchanged (field_policy). Fields that would change the answer but are not implemented
+are refused rather than silently ignored. The work a request asks for is held to the
+gateway's RequestLimits (limits.py: samples, prompts, logprobs, lists, schema and grammar
+sizes), passed in by the caller. Every rejection is an ApiError that renders as an
+OpenAI-style error body naming the field (`param`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,16 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.gateway.field_policy import unsupported_field
+from services.gateway.limits import DEFAULT_LIMITS, LimitExceeded, RequestLimits, schema_json
 from services.gateway.logprob_format import chat_logprobs, completion_logprobs, prompt_logprobs
-from services.gateway.tools import ToolError, ToolMode, extract_calls, parse_tools, render_calls
+from services.gateway.tools import (
+    ToolError,
+    ToolMode,
+    extract_calls,
+    extract_calls_off_loop,
+    parse_tools,
+    render_calls,
+)
 from shared.messages import (
     ChatMessage,
     ChatOptions,
@@ -33,11 +43,12 @@ from shared.messages import (
     ToolCall,
 )
 
-MAX_N = 16  # parallel samples or beams per request
-MAX_PROMPTS = 64  # prompts in one /v1/completions batch
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
+# The default bounds (services/gateway/limits.py: each a flag of the gateway)
+MAX_N = DEFAULT_LIMITS.max_n  # parallel samples or beams per request
+MAX_PROMPTS = DEFAULT_LIMITS.max_prompts  # prompts in one /v1/completions batch
+MAX_STOP_STRINGS = DEFAULT_LIMITS.max_stop
+MAX_STOP_STRING_CHARS = DEFAULT_LIMITS.max_stop_chars
+MAX_STOP_TOKEN_IDS = DEFAULT_LIMITS.max_stop_token_ids
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 # Float ranges: wide enough for any real use, narrow enough that no stage's arithmetic
 # overflows (a beam's score divides by length ** length_penalty).
@@ -46,8 +57,9 @@ MAX_LENGTH_PENALTY = 10.0
 MAX_PENALTY = 2.0  # presence and frequency, as OpenAI
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 100.0  # as OpenAI
-MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_ALLOWED_TOKEN_IDS = 65536
+MAX_LOGIT_BIAS_ENTRIES = DEFAULT_LIMITS.max_logit_bias
+MAX_ALLOWED_TOKEN_IDS = DEFAULT_LIMITS.max_allowed_token_ids
+MAX_CACHE_SALT_CHARS = 256
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _INT64 = 2**63
 
@@ -58,7 +70,7 @@ _COMMON_FIELDS = {
     "stream", "stream_options", "n_predict", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias", "min_tokens", "allowed_token_ids", "logprobs", "prompt_logprobs", "skip_special_tokens",
     "spaces_between_special_tokens", "add_special_tokens", "response_format", "structured_outputs", "guided_json",
-    "guided_regex", "guided_choice", "guided_grammar", "json_schema", "bad_words",
+    "guided_regex", "guided_choice", "guided_grammar", "json_schema", "bad_words", "cache_salt",
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
@@ -69,7 +81,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
-MAX_LOGPROBS = 20  # candidates per position, as vLLM's default max_logprobs
+MAX_LOGPROBS = DEFAULT_LIMITS.max_logprobs  # candidates per position, as vLLM's default max_logprobs
 
 
 class ApiError(Exception):
@@ -148,20 +160,22 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def parse_completion(body: dict, model_names: set[str]) -> ParsedRequest:
-    _check_common(body, model_names, COMPLETION_FIELDS)
-    prompts = _prompts(body)
+def parse_completion(body: dict, model_names: set[str], limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
+    _check_common(body, model_names, COMPLETION_FIELDS, limits)
+    prompts = _prompts(body, limits)
     (prompt, prompt_ids), batch = prompts[0], (prompts if len(prompts) > 1 else None)
     echo = _boolean(body, "echo", False)
     echo_only = echo and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
     # echo_only: the engine still runs one step (its token is dropped) to score the prompt
     max_tokens = 1 if echo_only else _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
     stream, include_usage = _stream(body)
-    logprobs = _logprob_count(body, "logprobs")
-    prompt_logprobs = _logprob_count(body, "prompt_logprobs")
+    logprobs = _logprob_count(body, "logprobs", limits)
+    prompt_logprobs = _logprob_count(body, "prompt_logprobs", limits)
     if echo and logprobs is not None:  # the echoed prompt's tokens come with their logprobs
         prompt_logprobs = max(prompt_logprobs or 0, logprobs)
-    params = _with_logprobs(body, _sampling(body, max_tokens), logprobs, prompt_logprobs, echo)
+    params = _with_logprobs(body, _sampling(body, max_tokens, limits), logprobs, prompt_logprobs, echo, limits)
+    _check_work(params, [len(text if ids is None else ids) for text, ids in prompts], limits,
+                "logprobs" if echo and logprobs is not None else "prompt_logprobs")
     return ParsedRequest(
         "completion", params, stream, include_usage, _boolean(body, "return_token_ids", False),
         prompt=prompt, prompt_token_ids=prompt_ids, echo_only=echo_only, batch=batch,
@@ -169,8 +183,8 @@ def parse_completion(body: dict, model_names: set[str]) -> ParsedRequest:
     )
 
 
-def parse_chat(body: dict, model_names: set[str]) -> ParsedRequest:
-    _check_common(body, model_names, CHAT_FIELDS)
+def parse_chat(body: dict, model_names: set[str], limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
+    _check_common(body, model_names, CHAT_FIELDS, limits)
     messages = _messages(body)
     # default: the rest of the context, which the tokenizer stage works out (None)
     if body.get("max_completion_tokens") is not None:
@@ -179,13 +193,14 @@ def parse_chat(body: dict, model_names: set[str]) -> ParsedRequest:
         max_tokens = _max_tokens(body, "max_tokens", None)
     stream, include_usage = _stream(body)
     wants = _boolean(body, "logprobs", False)
-    top = _logprob_count(body, "top_logprobs")
+    top = _logprob_count(body, "top_logprobs", limits)
     if top is not None and not wants and top > 0:
         raise ApiError("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
-    params = _with_logprobs(body, _sampling(body, max_tokens), (top or 0) if wants else None,
-                            _logprob_count(body, "prompt_logprobs"), False)
+    params = _with_logprobs(body, _sampling(body, max_tokens, limits), (top or 0) if wants else None,
+                            _logprob_count(body, "prompt_logprobs", limits), False, limits)
+    _check_work(params, [sum(len(m.content) for m in messages)], limits, "prompt_logprobs")
     try:
-        tool_defs, tool_mode, tool_constraint = parse_tools(body)
+        tool_defs, tool_mode, tool_constraint = parse_tools(body, limits)
     except ToolError as exc:
         raise ApiError(str(exc), param=exc.param) from exc
     if tool_constraint is not None:
@@ -204,7 +219,24 @@ def parse_chat(body: dict, model_names: set[str]) -> ParsedRequest:
     )
 
 
-def _structured(body: dict) -> StructuredOutput | None:
+def _check_work(params: SamplingParams, prompt_lengths: list[int], limits: RequestLimits, logprobs_param: str) -> None:
+    """The sequences a request starts, and the prompt logprobs it returns (a text prompt's
+    length counted in characters, an upper bound of its tokens for common tokenizers)."""
+    per_prompt = params.beam_width if params.use_beam_search else params.n
+    sequences = len(prompt_lengths) * per_prompt
+    if sequences > limits.max_sequences:
+        each = "beam_width" if params.use_beam_search else "n"
+        raise ApiError(f"This request would start {sequences} sequences (prompts x {each}); at most "
+                       f"{limits.max_sequences}.", param=each)
+    if params.prompt_logprobs is not None:
+        entries = sum(prompt_lengths) * params.n * (params.prompt_logprobs + 1)
+        if entries > limits.max_prompt_logprobs:
+            raise ApiError(f"This request would return about {entries} prompt logprob entries (prompts x n x prompt "
+                           f"length x (candidates + 1)); at most {limits.max_prompt_logprobs}: send fewer or shorter "
+                           f"prompts, or fewer candidates.", param=logprobs_param)
+
+
+def _structured(body: dict, limits: RequestLimits) -> StructuredOutput | None:
     """One constraint from OpenAI's response_format, vLLM's structured_outputs (or its older
     guided_* fields), or llama.cpp's json_schema; the tokenizer stage compiles it (400 if bad)."""
     found: list[tuple[str, StructuredOutput]] = []
@@ -221,7 +253,7 @@ def _structured(body: dict) -> StructuredOutput | None:
             if not isinstance(schema, dict):
                 raise ApiError("'response_format.json_schema.schema' must be a JSON schema object.",
                                param="response_format")
-            found.append(("response_format", StructuredOutput("json_schema", json.dumps(schema))))
+            found.append(("response_format", json_schema_constraint("response_format", schema, limits)))
         elif kind != "text":
             raise ApiError("'response_format.type' must be text, json_object or json_schema.", param="response_format")
     outputs = body.get("structured_outputs")
@@ -230,37 +262,57 @@ def _structured(body: dict) -> StructuredOutput | None:
             raise _wrong_type("structured_outputs", "an object", outputs)
         for key in ("json", "regex", "choice", "grammar", "json_object"):
             if outputs.get(key) not in (None, False):
-                found.append(("structured_outputs", _constraint(f"structured_outputs.{key}", key, outputs[key])))
+                found.append(("structured_outputs",
+                              _constraint(f"structured_outputs.{key}", key, outputs[key], limits)))
     for key in ("json", "regex", "choice", "grammar"):
         if body.get(f"guided_{key}") is not None:
-            found.append((f"guided_{key}", _constraint(f"guided_{key}", key, body[f"guided_{key}"])))
+            found.append((f"guided_{key}", _constraint(f"guided_{key}", key, body[f"guided_{key}"], limits)))
     if body.get("json_schema") is not None:  # llama.cpp's
-        found.append(("json_schema", _constraint("json_schema", "json", body["json_schema"])))
+        found.append(("json_schema", _constraint("json_schema", "json", body["json_schema"], limits)))
     if len(found) > 1:
         raise ApiError(f"Only one output constraint may be given, not {found[0][0]} and {found[1][0]}.",
                        param=found[1][0])
     return found[0][1] if found else None
 
 
-def _constraint(name: str, key: str, value) -> StructuredOutput:
+def _constraint(name: str, key: str, value, limits: RequestLimits) -> StructuredOutput:
+    param = name.split(".")[0]
     if key == "json_object":
         return StructuredOutput("json")
     if key == "json":
         if isinstance(value, str):
+            if len(value) > limits.max_schema_chars:
+                raise _too_long(name, "schema", limits.max_schema_chars, param)
             try:
                 value = json.loads(value)
-            except ValueError as exc:
-                raise ApiError(f"'{name}' is not valid JSON: {exc}", param=name.split(".")[0]) from exc
+            except (ValueError, RecursionError) as exc:
+                raise ApiError(f"'{name}' is not valid JSON: {exc}", param=param) from exc
         if not isinstance(value, dict):
             raise _wrong_type(name, "a JSON schema object", value)
-        return StructuredOutput("json_schema", json.dumps(value))
+        return json_schema_constraint(name, value, limits, param)
     if key == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise ApiError(f"'{name}' must be a non-empty array of non-empty strings.", param=name.split(".")[0])
-        return StructuredOutput("choice", json.dumps(value))
+            raise ApiError(f"'{name}' must be a non-empty array of non-empty strings.", param=param)
+        spec = json.dumps(value)
+        if len(spec) > limits.max_grammar_chars:
+            raise _too_long(name, "choice list", limits.max_grammar_chars, param)
+        return StructuredOutput("choice", spec)
     if not isinstance(value, str) or not value:
-        raise ApiError(f"'{name}' must be a non-empty string.", param=name.split(".")[0])
+        raise ApiError(f"'{name}' must be a non-empty string.", param=param)
+    if len(value) > limits.max_grammar_chars:
+        raise _too_long(name, key, limits.max_grammar_chars, param)
     return StructuredOutput(key, value)
+
+
+def json_schema_constraint(name: str, schema: dict, limits: RequestLimits, param: str | None = None) -> StructuredOutput:
+    try:
+        return StructuredOutput("json_schema", schema_json(schema, limits))
+    except LimitExceeded as exc:
+        raise ApiError(f"The schema of '{name}' {exc}.", param=param or name) from exc
+
+
+def _too_long(name: str, what: str, limit: int, param: str) -> ApiError:
+    return ApiError(f"'{name}': the {what} is longer than {limit} characters.", param=param)
 
 
 def parse_tokenize(body: dict, model_names: set[str], request_id: str) -> TokenizeRequest:
@@ -302,19 +354,19 @@ def chat_options(body: dict) -> ChatOptions:
     return ChatOptions(add_generation_prompt=add, continue_final_message=cont, template_kwargs=kwargs)
 
 
-def _logprob_count(body: dict, name: str) -> int | None:
+def _logprob_count(body: dict, name: str, limits: RequestLimits) -> int | None:
     value = _integer(body, name, None)
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise ApiError(f"'{name}' must be between 0 and {MAX_LOGPROBS}, got {value}.", param=name)
+    if value is not None and not 0 <= value <= limits.max_logprobs:
+        raise ApiError(f"'{name}' must be between 0 and {limits.max_logprobs}, got {value}.", param=name)
     return value
 
 
 def _with_logprobs(body: dict, params: SamplingParams, logprobs: int | None, prompt_logprobs: int | None,
-                   echo: bool) -> SamplingParams:
+                   echo: bool, limits: RequestLimits) -> SamplingParams:
     if params.use_beam_search and (logprobs is not None or prompt_logprobs is not None):
         name = "logprobs" if logprobs is not None else "prompt_logprobs"
         raise ApiError(f"'{name}' cannot be combined with beam search.", param=name)
-    structured = _structured(body)
+    structured = _structured(body, limits)
     if structured is not None and (params.use_beam_search or params.ignore_eos):
         name = "use_beam_search" if params.use_beam_search else "ignore_eos"
         raise ApiError(f"'{name}' cannot be combined with structured output.", param=name)
@@ -374,9 +426,9 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _check_common(body: dict, model_names: set[str], known: set[str]) -> None:
+def _check_common(body: dict, model_names: set[str], known: set[str], limits: RequestLimits) -> None:
     _check_model(body, model_names)
-    _check_fields(body, known)
+    _check_fields(body, known, limits)
 
 
 def _check_model(body: dict, model_names: set[str]) -> None:
@@ -392,10 +444,10 @@ def _check_model(body: dict, model_names: set[str]) -> None:
             )
 
 
-def _check_fields(body: dict, known: set[str]) -> None:
+def _check_fields(body: dict, known: set[str], limits: RequestLimits) -> None:
     n = _integer(body, "n", 1)
-    if not 1 <= n <= MAX_N:
-        raise ApiError(f"'n' must be between 1 and {MAX_N}, got {n}.", param="n")
+    if not 1 <= n <= limits.max_n:
+        raise ApiError(f"'n' must be between 1 and {limits.max_n}, got {n}.", param="n")
     refused = unsupported_field(body, known)
     if refused is not None:
         raise ApiError(f"'{refused}' is not supported by this server: it would change the answer, so it is "
@@ -420,7 +472,7 @@ def _max_tokens(body: dict, name: str, default: int | None) -> int | None:
     return value
 
 
-def _sampling(body: dict, max_tokens: int) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int, limits: RequestLimits) -> SamplingParams:
     temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
@@ -431,8 +483,9 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
     n = _integer(body, "n", 1)
     beam = _boolean(body, "use_beam_search", False)
     beam_width = _integer(body, "beam_width", max(n, 4) if beam else 4)
-    if beam and not n <= beam_width <= MAX_N:
-        raise ApiError(f"'beam_width' must be between n ({n}) and {MAX_N}, got {beam_width}.", param="beam_width")
+    if beam and not n <= beam_width <= limits.max_n:
+        raise ApiError(f"'beam_width' must be between n ({n}) and {limits.max_n}, got {beam_width}.",
+                       param="beam_width")
     return SamplingParams(
         n=n,
         use_beam_search=beam,
@@ -443,22 +496,34 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
         top_p=top_p,
         top_k=top_k,
         seed=_integer(body, "seed", None),
-        stop=_stop(body),
-        stop_token_ids=_stop_token_ids(body),
+        stop=_stop(body, limits),
+        stop_token_ids=_token_id_list(body, "stop_token_ids", limits.max_stop_token_ids),
         ignore_eos=_boolean(body, "ignore_eos", False),
         include_stop_str_in_output=_boolean(body, "include_stop_str_in_output", False),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         repetition_penalty=_repetition_penalty(body),
-        logit_bias=_logit_bias(body),
+        logit_bias=_logit_bias(body, limits),
         min_tokens=_min_tokens(body, max_tokens),
-        allowed_token_ids=_token_id_list(body, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, allow_empty=False),
-        bad_words=_bad_words(body),
+        allowed_token_ids=_token_id_list(body, "allowed_token_ids", limits.max_allowed_token_ids, allow_empty=False),
+        bad_words=_bad_words(body, limits),
+        cache_salt=_cache_salt(body),
     )
 
 
-def _bad_words(body: dict) -> list[str]:
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's cache_salt: requests with different salts never share cached KV blocks."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ApiError(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters.",
+                       param="cache_salt")
+    return salt
+
+
+def _bad_words(body: dict, limits: RequestLimits) -> list[str]:
     words = body.get("bad_words")
     if words is None:
         return []
@@ -466,9 +531,9 @@ def _bad_words(body: dict) -> list[str]:
         words = [words]
     if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
         raise _wrong_type("bad_words", "an array of non-empty strings", words)
-    if len(words) > MAX_STOP_STRINGS * 4 or any(len(w) > MAX_STOP_STRING_CHARS for w in words):
-        raise ApiError(f"At most {MAX_STOP_STRINGS * 4} bad_words of up to {MAX_STOP_STRING_CHARS} characters.",
-                       param="bad_words")
+    if len(words) > limits.max_bad_words or sum(map(len, words)) > limits.max_bad_words_chars:
+        raise ApiError(f"At most {limits.max_bad_words} bad_words of {limits.max_bad_words_chars} characters "
+                       f"together.", param="bad_words")
     return words
 
 
@@ -479,15 +544,15 @@ def _repetition_penalty(body: dict) -> float:
     return value
 
 
-def _logit_bias(body: dict) -> list[tuple[int, float]]:
+def _logit_bias(body: dict, limits: RequestLimits) -> list[tuple[int, float]]:
     """OpenAI's {"token id": bias}; the ids are checked against the vocabulary by the tokenizer stage."""
     bias = body.get("logit_bias")
     if bias is None:
         return []
     if not isinstance(bias, dict):
         raise _wrong_type("logit_bias", "an object mapping token ids to numbers", bias)
-    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise ApiError(f"'logit_bias' has more than {MAX_LOGIT_BIAS_ENTRIES} entries.", param="logit_bias")
+    if len(bias) > limits.max_logit_bias:
+        raise ApiError(f"'logit_bias' has more than {limits.max_logit_bias} entries.", param="logit_bias")
     out = []
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit()) or len(key) > 12:
@@ -512,11 +577,11 @@ def _token_id_list(body: dict, name: str, limit: int, allow_empty: bool = True) 
     if not ids and not allow_empty:
         raise ApiError(f"'{name}' must not be empty.", param=name)
     if len(ids) > limit:
-        raise ApiError(f"Too many {name}: at most {limit}.", param=name)
+        raise ApiError(f"Too many {name}: {len(ids)}, at most {limit}.", param=name)
     return ids
 
 
-def _stop(body: dict) -> list[str]:
+def _stop(body: dict, limits: RequestLimits) -> list[str]:
     stop = body.get("stop")
     if stop is None:
         return []
@@ -524,18 +589,12 @@ def _stop(body: dict) -> list[str]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise _wrong_type("stop", "a string or an array of strings", stop)
-    if len(stop) > MAX_STOP_STRINGS:
-        raise ApiError(f"Too many stop strings: {len(stop)}, at most {MAX_STOP_STRINGS}.", param="stop")
+    if len(stop) > limits.max_stop:
+        raise ApiError(f"Too many stop strings: {len(stop)}, at most {limits.max_stop}.", param="stop")
     for s in stop:
-        if not s or len(s) > MAX_STOP_STRING_CHARS:
-            raise ApiError(
-                f"Each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters.", param="stop"
-            )
+        if not s or len(s) > limits.max_stop_chars:
+            raise ApiError(f"Each stop string must have 1 to {limits.max_stop_chars} characters.", param="stop")
     return stop
-
-
-def _stop_token_ids(body: dict) -> list[int]:
-    return _token_id_list(body, "stop_token_ids", MAX_STOP_TOKEN_IDS)
 
 
 def _is_token_id(value) -> bool:
@@ -554,14 +613,15 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, _boolean(options, "include_usage", True)  # as vLLM: options given mean usage wanted
 
 
-def _prompts(body: dict) -> list[tuple[str | None, list[int] | None]]:
+def _prompts(body: dict, limits: RequestLimits) -> list[tuple[str | None, list[int] | None]]:
     """Each prompt as (text, None) or (None, token ids): one prompt, or a batch of them."""
     prompt = body.get("prompt")
     if prompt is None:
         raise ApiError("'prompt' is required.", param="prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > MAX_PROMPTS:
-            raise ApiError(f"Too many prompts in a batch: {len(prompt)}, at most {MAX_PROMPTS}.", param="prompt")
+        if len(prompt) > limits.max_prompts:
+            raise ApiError(f"Too many prompts in a batch: {len(prompt)}, at most {limits.max_prompts}.",
+                           param="prompt")
         return [_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     return [_prompt(prompt, "prompt")]
 
@@ -692,6 +752,17 @@ class ResponseBuilder:
         self.n = params.n if num_choices % params.n == 0 else 1
         # with tools (other than tool_choice none) a choice's text is parsed for calls when it ends
         self.tool_mode = tool_mode if tool_mode is not None and tool_mode.choice != "none" else None
+        self._calls: dict[int, tuple[str | None, list[ToolCall]]] = {}  # by choice, parsed ahead off the loop
+
+    async def parse_calls(self, index: int, text: str) -> None:
+        """Find a finished choice's tool calls ahead of full() or its last chunk(), off the event
+        loop when the text is long; text is the whole answer (a stream: what is held plus the last delta)."""
+        if self.tool_mode is not None:
+            self._calls[index] = await extract_calls_off_loop(self.tool_mode, text)
+
+    def _extract_calls(self, index: int, text: str) -> tuple[str | None, list[ToolCall]]:
+        found = self._calls.pop(index, None)
+        return found if found is not None else extract_calls(self.tool_mode, text)
 
     def record(self, msg) -> bool:
         """Note a TextDelta's counts; True once every choice has finished."""
@@ -756,7 +827,7 @@ class ResponseBuilder:
             if self.kind == "chat":
                 choice = {"index": index, "message": {"role": "assistant", "content": text}}
                 if self.tool_mode is not None:
-                    content, calls = extract_calls(self.tool_mode, text)
+                    content, calls = self._extract_calls(index, text)
                     if calls:
                         choice["message"] = {"role": "assistant", "content": content,
                                              "tool_calls": render_calls(calls)}
@@ -792,7 +863,7 @@ class ResponseBuilder:
                 state.held += text
                 if finish_reason is None:
                     return None  # held until the end: calls or text
-                content, calls = extract_calls(self.tool_mode, state.held)
+                content, calls = self._extract_calls(index, state.held)
                 delta = {"content": content} if content else {}
                 if calls:
                     delta["tool_calls"] = render_calls(calls, stream=True)

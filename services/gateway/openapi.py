@@ -7,20 +7,14 @@ schema-valid bodies must not cause a 5xx, invalid ones must get documented 4xx e
 
 from __future__ import annotations
 
+from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai_schema import (
     CHAT_ROLES,
-    MAX_ALLOWED_TOKEN_IDS,
+    MAX_CACHE_SALT_CHARS,
     MAX_LENGTH_PENALTY,
     MAX_LOGIT_BIAS,
-    MAX_LOGIT_BIAS_ENTRIES,
-    MAX_LOGPROBS,
-    MAX_N,
     MAX_PENALTY,
-    MAX_PROMPTS,
     MAX_REPETITION_PENALTY,
-    MAX_STOP_STRING_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
 )
 
@@ -51,16 +45,20 @@ _GENERATION_ERRORS = {
     "504": _error("The request timed out"),
 }
 
-_STOP = {"oneOf": [
-    {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS},
-    {"type": "array", "maxItems": MAX_STOP_STRINGS,
-     "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}},
-], "nullable": True}
+
+
+def _stop(lim: RequestLimits) -> dict:
+    return {"oneOf": [
+        {"type": "string", "minLength": 1, "maxLength": lim.max_stop_chars},
+        {"type": "array", "maxItems": lim.max_stop,
+         "items": {"type": "string", "minLength": 1, "maxLength": lim.max_stop_chars}},
+    ], "nullable": True}
+
 
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": _INT64_MAX}}
 
 
-def _sampling(model_names: list[str]) -> dict:
+def _sampling(model_names: list[str], lim: RequestLimits) -> dict:
     return {
         "model": _nullable({"type": "string", "enum": model_names}),
         "max_tokens": _nullable({"type": "integer", "minimum": 0, "maximum": _INT64_MAX,
@@ -71,9 +69,9 @@ def _sampling(model_names: list[str]) -> dict:
         "top_p": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1}),
         "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": _INT64_MAX}),
         "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": _INT64_MAX}),
-        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": lim.max_n}),
         "use_beam_search": _nullable({"type": "boolean"}),
-        "beam_width": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
+        "beam_width": _nullable({"type": "integer", "minimum": 1, "maximum": lim.max_n}),
         "length_penalty": _nullable({"type": "number", "minimum": -MAX_LENGTH_PENALTY,
                                      "maximum": MAX_LENGTH_PENALTY}),
         "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
@@ -81,16 +79,16 @@ def _sampling(model_names: list[str]) -> dict:
         "frequency_penalty": _nullable({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}),
         "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0,
                                          "maximum": MAX_REPETITION_PENALTY}),
-        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+        "logit_bias": _nullable({"type": "object", "maxProperties": lim.max_logit_bias,
                                  "description": "token id (as a string) -> bias added to its logit",
                                  "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
                                                           "maximum": MAX_LOGIT_BIAS}}),
         "min_tokens": _nullable({"type": "integer", "minimum": 0, "maximum": _INT64_MAX,
                                  "description": "at most max_tokens; EOS and stop_token_ids are masked until then"}),
-        "allowed_token_ids": _nullable({"type": "array", "minItems": 1, "maxItems": MAX_ALLOWED_TOKEN_IDS,
+        "allowed_token_ids": _nullable({"type": "array", "minItems": 1, "maxItems": lim.max_allowed_token_ids,
                                         "items": {"type": "integer", "minimum": 0, "maximum": _INT64_MAX}}),
-        "stop": _STOP,
-        "stop_token_ids": _nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
+        "stop": _stop(lim),
+        "stop_token_ids": _nullable({"type": "array", "maxItems": lim.max_stop_token_ids,
                                      "items": {"type": "integer", "minimum": 0, "maximum": _INT64_MAX}}),
         "ignore_eos": _nullable({"type": "boolean"}),
         "include_stop_str_in_output": _nullable({"type": "boolean"}),
@@ -110,26 +108,28 @@ def _sampling(model_names: list[str]) -> dict:
             "choice": {"type": "array", "items": {"type": "string"}}, "grammar": {"type": "string"},
             "json_object": {"type": "boolean"}}}),
         "skip_special_tokens": _nullable({"type": "boolean"}),
-        "bad_words": _nullable({"type": "array", "maxItems": MAX_STOP_STRINGS * 4, "items": {
-            "type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS, "pattern": "\\S"}}),
+        "bad_words": _nullable({"type": "array", "maxItems": lim.max_bad_words, "items": {
+            "type": "string", "minLength": 1, "maxLength": lim.max_bad_words_chars, "pattern": "\\S"}}),
         "spaces_between_special_tokens": _nullable({"type": "boolean"}),
         "add_special_tokens": _nullable({"type": "boolean"}),
-        "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+        "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": lim.max_logprobs,
                                       "description": "vLLM's: each prompt token's logprob and this many top ones"}),
         "stream": _nullable({"type": "boolean"}),
         "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
+        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS,
+                                 "description": "vLLM's: requests with different salts share no cached KV"}),
         "user": {"type": "string"},
     }
 
 
-def _completion_request(model_names: list[str]) -> dict:
+def _completion_request(model_names: list[str], lim: RequestLimits) -> dict:
     one = [{"type": "string", "minLength": 1}, _TOKEN_IDS]
-    batch = {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": {"oneOf": one},
+    batch = {"type": "array", "minItems": 1, "maxItems": lim.max_prompts, "items": {"oneOf": one},
              "description": "a batch: choice index = prompt * n + sample"}
     prompt = {"oneOf": [*one, batch]}
     return {"type": "object", "required": ["prompt"],
-            "properties": {"prompt": prompt, **_sampling(model_names),
-                           "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+            "properties": {"prompt": prompt, **_sampling(model_names, lim),
+                           "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": lim.max_logprobs}),
                            "echo": _nullable({"type": "boolean", "description": "with max_tokens 0: the prompt "
                                                                                 "alone, scored"})}}
 
@@ -188,14 +188,14 @@ def _tokenize_paths(model_names: list[str]) -> dict:
     }
 
 
-def _chat_request(model_names: list[str]) -> dict:
+def _chat_request(model_names: list[str], lim: RequestLimits) -> dict:
     message = _chat_message()
     return {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "minItems": 1, "items": message},
         "logprobs": _nullable({"type": "boolean"}),
-        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": lim.max_logprobs}),
         **_CHAT_OPTIONS,
-        "tools": _nullable({"type": "array", "maxItems": 128, "items": {
+        "tools": _nullable({"type": "array", "maxItems": lim.max_tools, "items": {
             "type": "object", "required": ["type", "function"], "properties": {
                 "type": {"type": "string", "enum": ["function"]},
                 "function": {"type": "object", "required": ["name"], "properties": {
@@ -208,7 +208,7 @@ def _chat_request(model_names: list[str]) -> dict:
                 "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}),
         "parallel_tool_calls": _nullable({"type": "boolean"}),
         "max_completion_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": _INT64_MAX}),
-        **_sampling(model_names),
+        **_sampling(model_names, lim),
     }}
 
 
@@ -269,14 +269,15 @@ def _generation(summary: str, request_schema: dict, response_ref: str) -> dict:
     }}
 
 
-def openapi_spec(model_names: list[str], secured: bool, metrics_public: bool = False) -> dict:
+def openapi_spec(model_names: list[str], secured: bool, metrics_public: bool = False,
+                 lim: RequestLimits = DEFAULT_LIMITS) -> dict:
     spec = {
         "openapi": "3.0.3",
         "info": {"title": "pagedserve", "version": "0.1.0",
                  "description": "OpenAI-compatible completions and chat completions over PagedAttention."},
         "paths": {
-            "/v1/completions": _generation("Complete a prompt", _completion_request(model_names), "Completion"),
-            "/v1/chat/completions": _generation("Answer a chat", _chat_request(model_names), "ChatCompletion"),
+            "/v1/completions": _generation("Complete a prompt", _completion_request(model_names, lim), "Completion"),
+            "/v1/chat/completions": _generation("Answer a chat", _chat_request(model_names, lim), "ChatCompletion"),
             **_tokenize_paths(model_names),
             "/v1/models": {"get": {"summary": "The served model", "responses": {
                 "200": {"description": "Models", "content": {

@@ -1,4 +1,6 @@
-"""The gateway's exposure options, shared with the launcher that passes them through.
+"""The gateway's exposure options, shared with the launcher that passes them through:
+the API key, queue and body bounds, client timeouts, the Host names served (host_check)
+and the bounds on each request's work (limits).
 
 Kept apart from the gateway's service module so that the launcher (imported by every
 `pagedserve` command) does not pull in aiohttp and uvloop.
@@ -7,6 +9,8 @@ Kept apart from the gateway's service module so that the launcher (imported by e
 from __future__ import annotations
 
 import argparse
+
+from services.gateway.limits import add_limit_args, limits_argv
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
@@ -29,10 +33,16 @@ def add_exposure_args(parser: argparse.ArgumentParser) -> None:
                              "answer unread, before its connection is closed (and its request aborted)")
     parser.add_argument("--metrics-public", action="store_true",
                         help="serve /health and /metrics without the API key (default: they need it too)")
+    parser.add_argument("--allowed-hosts", default=None,
+                        help="comma-separated Host names served (any port), '*' for all; others get a 403, against "
+                             "DNS rebinding (default: bound to a loopback address, localhost and loopback "
+                             "addresses and the --host given; bound to any other address, every host)")
+    add_limit_args(parser)
 
 
 def exposure_argv(args: argparse.Namespace) -> list[str]:
     """The options for the gateway's command line; the API key travels in its environment."""
     return ["--max-queued-requests", str(args.max_queued_requests), "--shutdown-timeout", str(args.shutdown_timeout),
             "--max-request-bytes", str(args.max_request_bytes), "--client-timeout", str(args.client_timeout)] + (
-                ["--metrics-public"] if args.metrics_public else [])
+                ["--metrics-public"] if args.metrics_public else []) + (
+                ["--allowed-hosts", args.allowed_hosts] if getattr(args, "allowed_hosts", None) is not None else []) + limits_argv(args)

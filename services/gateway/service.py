@@ -29,6 +29,8 @@ from services.gateway.dashboard_http import DashboardRoutes
 from services.gateway.engine_client import EngineClient
 from services.gateway.engines import EnginePublisher, engines_report
 from services.gateway.health import StageTracker
+from services.gateway.host_check import HostCheck
+from services.gateway.limits import limits_from_args
 from services.gateway.metrics import Metrics
 from services.gateway.options import add_exposure_args
 from services.gateway.supervision import SupervisionState
@@ -101,7 +103,8 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
                           lambda: client.num_waiting, lambda: watchdog.missing_stage, args.metrics_public)
     served = args.served_model_name or default_served_name(args.model)
     gateway = Gateway(client, tracker, metrics, served, {served, args.model}, args.request_timeout, args.model,
-                      admission, args.max_request_bytes, args.client_timeout)
+                      admission, args.max_request_bytes, args.client_timeout, limits_from_args(args),
+                      HostCheck(args.allowed_hosts, args.host))
     hub = DashboardHub(metrics, client.watch_pool)
     tasks = [loop.create_task(client.run_reader()), loop.create_task(client.run_upkeep()),
              loop.create_task(_read_status(status, tracker, watchdog, hub, publisher)),

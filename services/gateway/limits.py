@@ -1,0 +1,111 @@
+"""The bounds on the work one request may ask for, decided at the gateway.
+
+Each bound is a field of RequestLimits and a flag of `pagedserve serve` and of the gateway
+stage (`--max-n`, `--max-logprobs`, ...), built from the fields below so that the launcher
+forwards them whole (`limits_argv`). The defaults sit above what OpenAI allows (n <= 128
+is OpenAI's, but 16 samples are more than any sampling client asks; top_logprobs <= 20;
+stop <= 4; logit_bias <= 300 entries; 128 tools; a schema 10 levels deep) and above what
+vLLM's own clients send, so honest clients never meet them; a request past one gets a 400
+naming the field (`param`) and the bound (openai_schema, tools).
+
+Kept free of aiohttp: the launcher, imported by every `pagedserve` command, reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field, fields
+
+
+def _limit(default: int, help_: str):
+    return field(default=default, metadata={"help": help_})
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_n: int = _limit(16, "samples (n) or beams (beam_width) of one request; the engine allows at most 64")
+    max_prompts: int = _limit(64, "prompts in one /v1/completions batch")
+    max_sequences: int = _limit(256, "sequences one request starts: prompts x n (x beam_width with beam search)")
+    max_logprobs: int = _limit(20, "top candidates per position (logprobs, top_logprobs, prompt_logprobs), "
+                                   "as OpenAI and vLLM; the engine allows at most 64")
+    max_prompt_logprobs: int = _limit(2**20, "prompt logprob entries one request may return: prompts x n x prompt "
+                                             "length x (candidates + 1), a text prompt's length counted in "
+                                             "characters (echo with logprobs, prompt_logprobs)")
+    max_stop: int = _limit(16, "stop strings")
+    max_stop_chars: int = _limit(256, "characters of each stop string")
+    max_stop_token_ids: int = _limit(64, "stop_token_ids")
+    max_bad_words: int = _limit(64, "bad_words")
+    max_bad_words_chars: int = _limit(4096, "characters of all bad_words together")
+    max_logit_bias: int = _limit(1024, "logit_bias entries")
+    max_allowed_token_ids: int = _limit(65536, "allowed_token_ids")
+    max_schema_chars: int = _limit(131072, "characters of a JSON schema constraint (response_format, "
+                                           "structured_outputs.json, guided_json, json_schema, a required or named "
+                                           "tool_choice's) and of each tool's parameters")
+    max_schema_depth: int = _limit(64, "nesting depth (objects and arrays) of a JSON schema or tool parameters")
+    max_grammar_chars: int = _limit(65536, "characters of a regex, a grammar or a choice list constraint")
+    max_tools: int = _limit(128, "tools of one chat request")
+
+
+DEFAULT_LIMITS = RequestLimits()
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    for f in fields(RequestLimits):
+        parser.add_argument(_flag(f.name), type=_positive, default=f.default,
+                            help=f"{f.metadata['help']} (default {f.default}; 400 beyond)")
+
+
+def limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(**{f.name: getattr(args, f.name, f.default) for f in fields(RequestLimits)})
+
+
+def limits_argv(args: argparse.Namespace) -> list[str]:
+    """The limit flags for the gateway stage's command line, the defaults left out."""
+    out = []
+    for f in fields(RequestLimits):
+        value = getattr(args, f.name, f.default)
+        if value != f.default:
+            out += [_flag(f.name), str(value)]
+    return out
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def nesting_depth(value, stop_after: int) -> int:
+    """The depth of nested objects and arrays in a parsed JSON value (a scalar 0, `{}` 1), without
+    recursion; it stops counting once past stop_after."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > stop_after:
+            break
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
+class LimitExceeded(ValueError):
+    """A value past one of the bounds; the message says which, to follow the field's name."""
+
+
+def schema_json(schema: dict, limits: RequestLimits) -> str:
+    """A JSON schema's text, held to the schema bounds (depth first: json.dumps recurses)."""
+    if nesting_depth(schema, limits.max_schema_depth) > limits.max_schema_depth:
+        raise LimitExceeded(f"is nested more than {limits.max_schema_depth} levels deep")
+    text = json.dumps(schema)
+    if len(text) > limits.max_schema_chars:
+        raise LimitExceeded(f"is longer than {limits.max_schema_chars} characters")
+    return text
