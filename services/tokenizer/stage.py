@@ -7,6 +7,13 @@ aborted; deltas for a request it no longer knows are ignored. A dashboard's Watc
 is passed on to the scheduler as it is. A failure while handling
 one request, or token ids outside the vocabulary, end that request with a 500 and
 nothing else.
+
+A request with structured output waits, off the loop, for its spec to compile in the
+grammar worker pool (`grammar_pool`; `poll_grammars` collects the answers every loop
+turn): then it goes on to the scheduler with the compiled grammar, or ends with a 400
+(a bad spec, or one past the pool's time or size limit). With n samples and prompt
+logprobs, the prompt's entries are filled once and sent on the request's first delta
+only; the gateway shares them among the request's choices.
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.tokenizer.detokenizer import Detokenizer
+from services.tokenizer.grammar_pool import GrammarPool
 from services.tokenizer.prompts import PromptBuilder, PromptError
 from services.tokenizer.token_text import TokenTexts
+from shared import structured_output
 from shared.messages import (
     AbortRequest,
     DetokenizeRequest,
@@ -78,6 +87,7 @@ class TokenizerStage:
         eos_token_ids: list[int],
         to_gateway: Callable[[TokenizerToGateway], None],
         to_scheduler: Callable[[TokenizerToScheduler], None],
+        grammars: GrammarPool | None = None,
     ):
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)
@@ -86,6 +96,8 @@ class TokenizerStage:
         self._to_gateway = to_gateway
         self._to_scheduler = to_scheduler
         self.active: dict[str, _Active] = {}
+        self.grammars = grammars  # made on the first constrained request when not given
+        self.compiling: dict[str, tuple[_Active, TokenizedRequest]] = {}  # waiting for their grammar
 
     def handle_gateway(self, msg: GatewayToTokenizer) -> None:
         if isinstance(msg, WatchPool):  # a dashboard's subscription, for the scheduler alone
@@ -106,6 +118,8 @@ class TokenizerStage:
     def _on_gateway(self, msg: GatewayToTokenizer) -> None:
         if isinstance(msg, AbortRequest):
             self.active.pop(msg.request_id, None)
+            if self.compiling.pop(msg.request_id, None) is not None:
+                self.grammars.cancel(msg.request_id)
             self._to_scheduler(msg)
         elif isinstance(msg, TokenizeRequest | DetokenizeRequest):
             self._on_tokenize(msg)
@@ -129,7 +143,7 @@ class TokenizerStage:
         self._to_gateway(TokenizeResult(msg.request_id, ids, limit, token_strs=strs))
 
     def _on_generate(self, req: GenerateRequest) -> None:
-        if req.request_id in self.active:
+        if req.request_id in self.active or req.request_id in self.compiling:
             self._to_gateway(RequestError(req.request_id, 400, "duplicate request id", param="request_id"))
             return
         try:
@@ -142,16 +156,39 @@ class TokenizerStage:
         if params.echo:
             prompt_text = req.prompt if req.prompt is not None else self.tokenizer.decode(
                 ids, skip_special_tokens=params.skip_special_tokens)
-        self.active[req.request_id] = _Active(self.tokenizer, params, ids, prompt_text)
-        self._to_scheduler(
-            TokenizedRequest(
-                request_id=req.request_id,
-                prompt_token_ids=ids,
-                params=params,
-                eos_token_ids=self.eos_token_ids,
-                arrival_time=time.time(),
-            )
-        )
+        state = _Active(self.tokenizer, params, ids, prompt_text)
+        forward = TokenizedRequest(request_id=req.request_id, prompt_token_ids=ids, params=params,
+                                   eos_token_ids=self.eos_token_ids, arrival_time=time.time())
+        if params.structured is None:
+            self.active[req.request_id] = state
+            self._to_scheduler(forward)
+            return
+        if not structured_output.available():
+            self._to_gateway(RequestError(req.request_id, 400, "Structured output needs xgrammar on this server "
+                                          "(pip install 'pagedserve[structured]').", param="response_format"))
+            return
+        if self.grammars is None:
+            self.grammars = GrammarPool.for_tokenizer(self.tokenizer, self.prompts.vocab_size)
+        self.compiling[req.request_id] = (state, forward)
+        self.grammars.submit(req.request_id, params.structured)
+
+    def poll_grammars(self) -> bool:
+        """Send on (or fail) the requests whose grammar is answered; True if there were any."""
+        if self.grammars is None:
+            return False
+        answered = self.grammars.poll()
+        for request_id, compiled, error in answered:
+            pending = self.compiling.pop(request_id, None)
+            if pending is None:
+                continue  # aborted meanwhile
+            state, forward = pending
+            if error:
+                self._to_gateway(RequestError(request_id, 400, error, param="response_format"))
+                continue
+            forward.compiled_grammar = compiled
+            self.active[request_id] = state
+            self._to_scheduler(forward)
+        return bool(answered)
 
     def _on_scheduler(self, msg: SchedulerToTokenizer) -> None:
         if isinstance(msg, RequestError):
@@ -221,6 +258,7 @@ class TokenizerStage:
             out.prompt_token_ids = state.prompt_ids
 
     def _fail(self, request_id: str, status: int, message: str, error_type: str) -> None:
+        self.compiling.pop(request_id, None)
         if self.active.pop(request_id, None) is not None:
             self._to_scheduler(AbortRequest(request_id))  # it may be holding KV blocks
         self._to_gateway(RequestError(request_id, status, message, error_type=error_type))
