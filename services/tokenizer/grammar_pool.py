@@ -15,8 +15,8 @@ count and bytes). An answer is the grammar's serialized form (`serialize_json`),
 request carries to the executor; one larger than `max_bytes` is refused. Every submitted
 request gets exactly one answer: the compiled form, or an error message (a bad spec, the
 time limit, the size limit, a worker that died) that the stage turns into a 400. A spec
-waits in the queue at most `timeout_s` once a worker is up, then compiles for at most
-`timeout_s`.
+waits in the queue at most `timeout_s` while every worker is up (starting one takes
+seconds: importing xgrammar), then compiles for at most `timeout_s`.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class GrammarPool:
         self._cache: OrderedDict[StructuredOutput, str] = OrderedDict()
         self._cache_bytes = 0
         self._done: list[tuple[str, str, str]] = []  # (request id, compiled, error) answered, not yet polled
-        self._up_at: float | None = None  # when a worker was first ready
+        self._up_at: float | None = None  # since when every worker is up
         self.compiles = 0  # specs sent to a worker (the tests count them)
 
     @classmethod
@@ -183,7 +183,6 @@ class GrammarPool:
                 data = w.conn.recv_bytes()
                 if not w.ready:
                     w.ready = True
-                    self._up_at = self._up_at or now
                     continue
                 job, w.job = w.job, None
                 if job is not None:
@@ -212,8 +211,10 @@ class GrammarPool:
         self._workers[self._workers.index(w)] = self._spawn()
 
     def _expire_queued(self, now: float) -> None:
-        if self._up_at is None:
-            return  # no worker up yet: the queue waits for the first one
+        if not all(w.ready for w in self._workers):
+            self._up_at = None
+            return  # a worker is starting (seconds): the queue waits for it
+        self._up_at = self._up_at or now
         for spec, job in list(self._queue.items()):
             if now - max(job.queued_at, self._up_at) > self.timeout_s:
                 del self._queue[spec]
