@@ -246,7 +246,7 @@ def test_a_slow_schema_is_a_400_while_the_replica_serves_on():
             # heartbeats kept coming, and never said stuck
             seen = [(t, s) for t, s in replica.beats if t >= start]
             assert all(s == "ready" for _, s in seen), seen
-            gaps = [b[0] - a[0] for a, b in zip(seen, seen[1:])]
+            gaps = [b[0] - a[0] for a, b in zip(seen, seen[1:], strict=False)]
             assert seen and max(gaps) < 2.0, gaps
         finally:
             replica.close()

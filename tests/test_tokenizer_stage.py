@@ -177,3 +177,44 @@ def test_echo_prompt_logprobs_and_stop_reason_on_the_first_delta(stage, tok):
     assert first.prompt_logprobs[1].token == tok.convert_ids_to_tokens(ids[1]).replace("Ġ", " ")
     assert first.logprobs[0].token == tok.decode([5]) and first.logprobs[0].bytes == list(tok.decode([5]).encode())
     assert last.prompt_text is None and last.finish_reason == "stop" and last.stop_reason == 99
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_prompt_logprobs_go_once_for_n_samples_and_every_choice_shows_them(stage, tok, echo):
+    """The prompt's entries (length x top candidates) are filled once and sent on one delta of
+    the request; the gateway gives them to each of its n choices, as when each delta had them."""
+    import msgspec
+
+    from services.gateway.openai_schema import ResponseBuilder
+    from shared.messages import TokenLogprob
+
+    ids = tok.encode("Hello big wide world")
+    params = SamplingParams(max_tokens=1, n=3, prompt_logprobs=2, echo=echo, logprobs=1 if echo else None)
+    generate(stage, prompt_token_ids=ids, params=params)
+
+    def scored():
+        return [TokenLogprob(t, -1.0, 3, top=[TokenLogprob(t, -1.0, 3), TokenLogprob(7, -0.5, 1)]) for t in ids[1:]]
+
+    for i in range(3):  # each sample's first delta, as the scheduler sends them
+        stage.handle_scheduler(TokenDelta("r1", [5], len(ids), "length", seq_index=i,
+                                          logprobs=[TokenLogprob(5, -0.5, 1)], prompt_logprobs=scored()))
+    deltas = [msgspec.msgpack.decode(msgspec.msgpack.encode(d), type=TextDelta) for d in stage.gateway]
+    assert [bool(d.prompt_logprobs) for d in deltas] == [True, False, False]
+    assert len(deltas[0].prompt_logprobs) == len(ids) and deltas[0].prompt_logprobs[1].top[1].token
+
+    def body(msgs):
+        out = ResponseBuilder("completion", "cmpl-1", "m", num_choices=3, params=params)
+        for m in msgs:
+            out.record(m)
+        full = out.full([(m.text, m.finish_reason, m.token_ids) for m in msgs], out.usage())
+        full.pop("created")
+        return full
+
+    every = [msgspec.structs.replace(d, prompt_logprobs=deltas[0].prompt_logprobs) for d in deltas]  # as before
+    shared = body(deltas)
+    assert shared == body(every)
+    for choice in shared["choices"]:
+        if echo:
+            assert choice["logprobs"]["tokens"][: len(ids)] == [e.token for e in deltas[0].prompt_logprobs]
+        else:
+            assert len(choice["prompt_logprobs"]) == len(ids) and choice["prompt_logprobs"][0] is None

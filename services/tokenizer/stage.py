@@ -62,6 +62,7 @@ class _Active:
     detoks: dict[int, Detokenizer] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
     prompt_logprobs: list[TokenLogprob] | None = None  # filled with token texts once
+    prompt_logprobs_sent: bool = False  # on one delta of the request: its choices share them
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -245,7 +246,10 @@ class TokenizerStage:
         self._to_gateway(out)
 
     def _add_prompt(self, state: _Active, delta: TokenDelta, out: TextDelta) -> None:
-        """A sequence's first delta carries the prompt when the client asked to see it."""
+        """A sequence's first delta carries the prompt when the client asked to see it; the
+        prompt's logprob entries (prompt length x top candidates, each with its text and
+        bytes) are filled once and sent on one delta of the request only, not once per
+        sample: the gateway gives them to each of the request's choices."""
         params = state.params
         if params.echo:
             out.prompt_text = state.prompt_text
@@ -253,7 +257,9 @@ class TokenizerStage:
             if state.prompt_logprobs is None and delta.prompt_logprobs:
                 first = TokenLogprob(state.prompt_ids[0], 0.0, 0)  # rank 0: not scored
                 state.prompt_logprobs = self.token_texts.fill([first, *delta.prompt_logprobs])
-            out.prompt_logprobs = state.prompt_logprobs or []
+            if state.prompt_logprobs and not state.prompt_logprobs_sent:
+                out.prompt_logprobs = state.prompt_logprobs
+                state.prompt_logprobs_sent = True
         if params.echo or params.prompt_logprobs is not None:
             out.prompt_token_ids = state.prompt_ids
 
