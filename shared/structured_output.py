@@ -6,7 +6,8 @@ schema, regex or grammar is a 400 before the request runs, and the request carri
 compiled grammar on in its serialized form (`CompiledGrammar.serialize_json`). The
 executor's `GrammarCompilerCache.get` deserializes that form (about 1 ms, cached by spec),
 after checking it was made for the executor's vocabulary; it compiles only a spec that
-came without it (a request built without the tokenizer stage). JSON is compiled without
+came without it (a request built without the tokenizer stage) or whose compiled form does
+not fit (a tokenizer replica of another model), and logs it. JSON is compiled without
 free whitespace (compact separators), so a constrained answer never wanders off into
 spaces and always parses once complete. xgrammar is an optional dependency
 (`pip install 'pagedserve[structured]'`); without it a constrained request is refused.
@@ -87,14 +88,24 @@ class GrammarCompilerCache:
 
     def get(self, spec: StructuredOutput, compiled: str = ""):
         """The compiled grammar of spec: from the cache, else deserialized from compiled (the
-        tokenizer stage's serialize_json), else compiled here. StructuredOutputError when
-        compiled does not fit this vocabulary or spec does not compile."""
+        tokenizer stage's serialize_json), else compiled here: when compiled is missing, or
+        was made for another vocabulary (logged). StructuredOutputError when spec does not
+        compile."""
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
                 return hit
-        grammar = self._load(spec, compiled) if compiled else self._compile(spec)
+        grammar = None
+        if compiled:
+            try:
+                grammar = self._load(spec, compiled)
+            except StructuredOutputError as exc:
+                log.warning("%s; compiling it here instead", exc)
+        else:
+            log.warning("a %s spec came without its compiled form: compiling it here", spec.kind)
+        if grammar is None:
+            grammar = self._compile(spec)
         with self._lock:
             self._cache[spec] = grammar
             while len(self._cache) > CACHE_SIZE:

@@ -134,13 +134,16 @@ def test_executor_deserializes_the_tokenizer_grammar(tok):
                        ).fill_next_token_bitmask(allowed, 0)
     assert (bitmask[0] == allowed[0]).all()  # the same mask as a grammar compiled here
 
-    other = GrammarCompilerCache(tok, VOCAB + 48)  # another vocabulary: refused, not used
+    other = GrammarCompilerCache(tok, VOCAB + 48)  # another vocabulary: refused, compiled here
     foreign = other.compiler.compile_regex("x+").serialize_json()
     with pytest.raises(StructuredOutputError, match="does not fit"):
-        masks.compilers.get(StructuredOutput("regex", "x+"), foreign)
+        masks.compilers._load(StructuredOutput("regex", "x+"), foreign)
+    grammar = masks.compilers.get(StructuredOutput("regex", "x+"), foreign)
+    assert grammar.tokenizer_info.vocab_size == VOCAB and masks.compilers.compiles == 1
     # a request built without the tokenizer stage still works: compiled here, once
     masks.masks([seq("r3", StructuredOutput("regex", "y+"), "")])
-    assert masks.compilers.compiles == 1
+    masks.masks([seq("r4", StructuredOutput("regex", "y+"), "")])
+    assert masks.compilers.compiles == 2
 
 
 def test_the_scheduler_passes_the_compiled_grammar_on():
@@ -250,3 +253,14 @@ def test_a_slow_schema_is_a_400_while_the_replica_serves_on():
             assert seen and max(gaps) < 2.0, gaps
         finally:
             replica.close()
+
+
+def test_workers_that_cannot_start_end_in_an_error_not_a_respawn_loop():
+    pool = GrammarPool("not a tokenizer info", workers=1)
+    try:
+        pool.submit("a", JSON)
+        assert "exit as they start" in drain(pool, 1)["a"][1]
+        pool.submit("b", JSON)
+        assert "exit as they start" in drain(pool, 1, timeout=1)["b"][1] and pool.fds() == []
+    finally:
+        pool.close()

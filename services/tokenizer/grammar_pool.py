@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled forms kept
 CACHE_BYTES = 256 << 20
+# Heap a worker may add past what it holds once loaded. A compiled grammar can be small in
+# memory and huge serialized (nested oneOf: 3 MB compiled, over 1 GB as JSON at depth 9):
+# past this, xgrammar's allocation fails (std::bad_alloc) instead of the host running out.
+WORKER_HEAP_BYTES = 2 << 30
+FAILED_STARTS = 3  # workers dying before they are up, in a row, before the pool gives up
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +72,9 @@ def _work(conn, info_json: str, max_bytes: int) -> None:
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1,
                                    cache_enabled=False)
     encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(StructuredOutput).decode
+    _limit_heap(WORKER_HEAP_BYTES + 4 * max_bytes)
+    too_big = (f"the compiled grammar is larger than the limit of {max_bytes} bytes (--grammar-max-bytes): "
+               "simplify the schema")
     conn.send_bytes(b"")  # ready
     while True:
         try:
@@ -75,15 +83,30 @@ def _work(conn, info_json: str, max_bytes: int) -> None:
             return  # the stage is gone
         try:
             compiled = compile_spec(compiler, spec)
-            # memory_size_bytes is about half the serialized length: refuse before serializing a huge one
-            if 2 * compiled.memory_size_bytes > max_bytes or len(text := compiled.serialize_json()) > max_bytes:
-                answer = _Answer(error=f"the compiled grammar is larger than the limit of {max_bytes} bytes "
-                                       "(--grammar-max-bytes): simplify the schema")
+            # at least twice its memory size serialized: refuse what is clearly too big before serializing
+            if 2 * compiled.memory_size_bytes > max_bytes:
+                answer = _Answer(error=too_big)
             else:
-                answer = _Answer(compiled=text)
+                text = compiled.serialize_json()
+                answer = _Answer(error=too_big) if len(text) > max_bytes else _Answer(compiled=text)
         except StructuredOutputError as exc:
             answer = _Answer(error=str(exc))
+        except (MemoryError, RuntimeError):  # serializing past the heap limit: std::bad_alloc
+            answer = _Answer(error=too_big)
+        compiled = text = None
         conn.send_bytes(encode(answer))
+
+
+def _limit_heap(extra: int) -> None:
+    """Cap this process's data segment at what it uses now plus extra (Linux)."""
+    try:
+        import resource
+
+        with open("/proc/self/statm") as f:
+            data = int(f.read().split()[5]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_DATA, (data + extra, data + extra))
+    except (OSError, ValueError, ImportError):
+        pass  # not Linux: no cap
 
 
 @dataclass
@@ -116,6 +139,8 @@ class GrammarPool:
         self._done: list[tuple[str, str, str]] = []  # (request id, compiled, error) answered, not yet polled
         self._up_at: float | None = None  # since when every worker is up
         self.compiles = 0  # specs sent to a worker (the tests count them)
+        self._failed_starts = 0
+        self.broken = ""  # why workers cannot start, once FAILED_STARTS died before they were up
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, **kw) -> GrammarPool:
@@ -139,6 +164,9 @@ class GrammarPool:
 
     def submit(self, request_id: str, spec: StructuredOutput) -> None:
         """Compile spec for request_id; its answer comes out of a later poll()."""
+        if self.broken:
+            self._done.append((request_id, "", self.broken))
+            return
         hit = self._cache.get(spec)
         if hit is not None:
             self._cache.move_to_end(spec)
@@ -171,7 +199,8 @@ class GrammarPool:
         is the serialized grammar when error is ""."""
         now = time.monotonic()
         for w in list(self._workers):
-            self._check(w, now)
+            if not self.broken:
+                self._check(w, now)
         self._expire_queued(now)
         self._dispatch()
         done, self._done = self._done, []
@@ -182,7 +211,7 @@ class GrammarPool:
             while w.conn.poll(0):
                 data = w.conn.recv_bytes()
                 if not w.ready:
-                    w.ready = True
+                    w.ready, self._failed_starts = True, 0
                     continue
                 job, w.job = w.job, None
                 if job is not None:
@@ -191,6 +220,12 @@ class GrammarPool:
                         self._remember(job.spec, answer.compiled)
                     self._answer(job, answer.compiled, answer.error)
         except (EOFError, OSError):
+            if not w.ready:
+                self._failed_starts += 1
+                if self._failed_starts >= FAILED_STARTS:
+                    self._give_up("the grammar compiler processes exit as they start (see the log): "
+                                  "structured output is unavailable")
+                    return
             self._replace(w, "the grammar compiler process died (out of memory?) compiling this spec")
             return
         if w.job is not None and now > w.job.deadline:
@@ -209,6 +244,14 @@ class GrammarPool:
         if w.job is not None:
             self._answer(w.job, "", error)
         self._workers[self._workers.index(w)] = self._spawn()
+
+    def _give_up(self, why: str) -> None:
+        log.error("%s", why)
+        self.broken = why
+        self.close()
+        for job in list(self._jobs.values()):
+            self._answer(job, "", why)
+        self._queue.clear()
 
     def _expire_queued(self, now: float) -> None:
         if not all(w.ready for w in self._workers):
