@@ -264,3 +264,22 @@ def test_workers_that_cannot_start_end_in_an_error_not_a_respawn_loop():
         assert "exit as they start" in drain(pool, 1, timeout=1)["b"][1] and pool.fds() == []
     finally:
         pool.close()
+
+
+def test_serve_passes_the_grammar_limits_to_every_tokenizer_replica():
+    import argparse
+
+    from services import launcher
+    from services.tokenizer import service
+
+    parser = argparse.ArgumentParser()
+    launcher.add_args(parser)
+    argv = ["--model", "tiny", "--tokenizer-replicas", "2", "--grammar-compile-timeout", "2.5",
+            "--grammar-workers", "3", "--grammar-max-bytes", "1000"]
+    cmds = launcher.stage_commands(parser.parse_args(argv), Addresses.ipc("/tmp/run"))
+    for name in ("tokenizer-0", "tokenizer-1"):
+        own = argparse.ArgumentParser()
+        service.add_args(own)
+        cmd = cmds[name]
+        args = own.parse_args(cmd[cmd.index("tokenizer") + 1:])
+        assert (args.grammar_compile_timeout, args.grammar_workers, args.grammar_max_bytes) == (2.5, 3, 1000)

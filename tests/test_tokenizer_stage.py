@@ -218,3 +218,35 @@ def test_prompt_logprobs_go_once_for_n_samples_and_every_choice_shows_them(stage
             assert choice["logprobs"]["tokens"][: len(ids)] == [e.token for e in deltas[0].prompt_logprobs]
         else:
             assert len(choice["prompt_logprobs"]) == len(ids) and choice["prompt_logprobs"][0] is None
+
+
+def test_a_constrained_request_waits_for_its_grammar_off_the_loop(stage, tok):
+    """handle_gateway returns at once; poll_grammars later sends the request on with its
+    compiled grammar, or ends it with a 400; an abort meanwhile ends it silently."""
+    import time
+
+    from shared.messages import StructuredOutput
+
+    pytest.importorskip("xgrammar")
+    spec = SamplingParams(max_tokens=4, structured=StructuredOutput("json"))
+    try:
+        generate(stage, "good", prompt="Hi", params=spec)
+        generate(stage, "good", prompt="Hi", params=spec)  # a duplicate while it compiles
+        generate(stage, "bad", prompt="Hi", params=SamplingParams(structured=StructuredOutput("regex", "((")))
+        generate(stage, "gone", prompt="Hi", params=SamplingParams(structured=StructuredOutput("regex", "a+")))
+        stage.handle_gateway(AbortRequest("gone"))
+        [dup] = stage.gateway
+        assert dup.status == 400 and "duplicate" in dup.message
+        assert not [m for m in stage.scheduler if isinstance(m, TokenizedRequest)] and "good" not in stage.active
+        deadline = time.monotonic() + 120
+        while stage.compiling and time.monotonic() < deadline:
+            stage.poll_grammars()
+            time.sleep(0.01)
+        [req] = [m for m in stage.scheduler if isinstance(m, TokenizedRequest)]
+        assert req.request_id == "good" and req.compiled_grammar and "good" in stage.active
+        [_, err] = stage.gateway
+        assert err.request_id == "bad" and err.status == 400 and err.param == "response_format"
+        assert "regex cannot be compiled" in err.message and "gone" not in stage.active
+    finally:
+        if stage.grammars is not None:
+            stage.grammars.close()
