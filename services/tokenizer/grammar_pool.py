@@ -26,7 +26,7 @@ import logging
 import multiprocessing
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
@@ -123,7 +123,6 @@ class _Worker:
     conn: object
     ready: bool = False
     job: _Job | None = None
-    started_at: float = field(default_factory=time.monotonic)
 
 
 class GrammarPool:
@@ -148,6 +147,10 @@ class GrammarPool:
 
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         return cls(info.serialize_json(), **kw)
+
+    def fresh(self) -> GrammarPool:
+        """A new pool like this one (no workers yet, empty cache)."""
+        return GrammarPool(self.info_json, self.size, self.timeout_s, self.max_bytes)
 
     def start(self) -> None:
         """Spawn the workers (without waiting for them); submit does it when not done yet."""
@@ -181,10 +184,13 @@ class GrammarPool:
         self._dispatch()
 
     def cancel(self, request_id: str) -> None:
-        """The request was aborted: its answer is not wanted (the compile goes on for others)."""
-        for job in self._jobs.values():
+        """The request was aborted: its answer is not wanted. A queued spec nobody waits for
+        any more is dropped; one compiling goes on (its result is cached)."""
+        for spec, job in list(self._jobs.items()):
             if request_id in job.waiters:
                 job.waiters.remove(request_id)
+                if not job.waiters and self._queue.pop(spec, None) is not None:
+                    del self._jobs[spec]
 
     def fds(self) -> list[int]:
         """File descriptors readable when a worker has something to say (for the loop's poll)."""
@@ -268,11 +274,16 @@ class GrammarPool:
             if not self._queue:
                 return
             if w.ready and w.job is None:
-                _, job = self._queue.popitem(last=False)
+                spec, job = self._queue.popitem(last=False)
+                try:
+                    w.conn.send_bytes(msgspec.msgpack.encode(spec))
+                except OSError:  # it died since: the next poll replaces it
+                    self._queue[spec] = job
+                    self._queue.move_to_end(spec, last=False)
+                    continue
                 job.deadline = time.monotonic() + self.timeout_s
                 w.job = job
                 self.compiles += 1
-                w.conn.send_bytes(msgspec.msgpack.encode(job.spec))
 
     def _answer(self, job: _Job, compiled: str, error: str) -> None:
         self._jobs.pop(job.spec, None)

@@ -177,7 +177,15 @@ class TokenizerStage:
         """Send on (or fail) the requests whose grammar is answered; True if there were any."""
         if self.grammars is None:
             return False
-        answered = self.grammars.poll()
+        try:
+            answered = self.grammars.poll()
+        except Exception:  # the pool is broken: its requests end, the replica goes on
+            log.exception("grammar pool failed")
+            for request_id in list(self.compiling):
+                self._fail(request_id, 500, "internal error while compiling the grammar", "internal_error")
+            self.grammars.close()
+            self.grammars = self.grammars.fresh()
+            return True
         for request_id, compiled, error in answered:
             pending = self.compiling.pop(request_id, None)
             if pending is None:
