@@ -10,7 +10,8 @@ sampler's logits get -inf outside it, and `accept` moves each matcher past its
 sampled token. A finished grammar allows only the stop tokens (EOS). Grammars are not
 compiled here: each request carries the one the tokenizer stage compiled (in its worker
 pool, under a time limit), deserialized once per spec; only a request built without that
-stage (no compiled form) is compiled, in the thread that fills the masks.
+stage (no compiled form), or whose form was made for another vocabulary, is compiled
+(logged), in the thread that fills the masks.
 """
 
 from __future__ import annotations
