@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.options import API_KEY_ENV, add_exposure_args, exposure_argv
 from services.gateway.supervision import STATE_ENV
+from services.tokenizer import grammar_pool
 from shared import cpu_placement
 from shared.config import (
     Addresses,
@@ -89,6 +90,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-policy", default="paged",
                         choices=["paged", "reserve-max", "reserve-pow2", "reserve-oracle"])
     parser.add_argument("--tokenizer-replicas", type=int, default=1)
+    grammar_pool.add_args(parser)
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="engines (a scheduler and its executor each, with its own model copy and KV pool)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -235,6 +237,7 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses,
             cmds[name] = base + ["executor"] + executor + device + group + ["--tp-rank", str(rank)] + own
     cmds["gateway"] = base + ["gateway"] + gateway + common
     tokenizer = model + (["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])
+    tokenizer += grammar_pool.argv(args)
     if dp > 1:
         tokenizer += ["--routing", args.routing]
         every = ",".join(e.scheduler_in for e in engines)

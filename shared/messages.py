@@ -250,6 +250,8 @@ class TokenizedRequest(Struct, tag=True):
     params: SamplingParams
     eos_token_ids: list[int]
     arrival_time: float
+    # params.structured compiled by the tokenizer stage (xgrammar's serialize_json), for the executor
+    compiled_grammar: str = ""
 
 
 class FinishRequest(Struct, tag=True):
@@ -311,6 +313,7 @@ class SeqSampling(Struct, frozen=True):
     logprobs: int | None = None  # return the sampled token's logprob and this many top ones
     structured: StructuredOutput | None = None
     bad_words_ids: list[list[int]] = []  # a word's last token is masked after the rest of it
+    compiled_grammar: str = ""  # structured, as the tokenizer stage compiled it (serialize_json)
 
     @property
     def needs_history(self) -> bool:

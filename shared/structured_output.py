@@ -1,29 +1,37 @@
 """Structured output specs compiled with xgrammar (the grammar engine vLLM and SGLang use).
 
-Both the tokenizer stage (to refuse a bad schema, regex or grammar with a 400 before
-the request runs) and the executor (to build the token masks) compile through
-`GrammarCompilerCache`, against the model's tokenizer, caching by spec. JSON is
-compiled without free whitespace (compact separators), so a constrained answer never
-wanders off into spaces and always parses once complete. xgrammar is an optional
-dependency (`pip install 'pagedserve[structured]'`); without it a constrained request
-is refused.
+The tokenizer stage compiles each spec (in worker processes with a time limit,
+`services.tokenizer.grammar_pool`, through `compile_spec`), so that a bad or too costly
+schema, regex or grammar is a 400 before the request runs, and the request carries the
+compiled grammar on in its serialized form (`CompiledGrammar.serialize_json`). The
+executor's `GrammarCompilerCache.get` deserializes that form (about 1 ms, cached by spec),
+after checking it was made for the executor's vocabulary; it compiles only a spec that
+came without it (a request built without the tokenizer stage) or whose compiled form does
+not fit (a tokenizer replica of another model), and logs it. JSON is compiled without
+free whitespace (compact separators), so a constrained answer never wanders off into
+spaces and always parses once complete. xgrammar is an optional dependency
+(`pip install 'pagedserve[structured]'`); without it a constrained request is refused.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
 
 from shared.messages import StructuredOutput
 
+log = logging.getLogger(__name__)
+
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped
 
 
 class StructuredOutputError(ValueError):
-    """The spec cannot be compiled (a bad schema, regex or grammar)."""
+    """The spec cannot be compiled (a bad schema, regex or grammar), or its compiled form
+    does not fit this vocabulary."""
 
 
 def available() -> bool:
@@ -41,6 +49,31 @@ def _choice_grammar(spec: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+def compile_spec(compiler, spec: StructuredOutput):
+    """spec compiled by an xgrammar GrammarCompiler; StructuredOutputError when it cannot be."""
+    try:
+        if spec.kind == "json":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "json_schema":
+            return compiler.compile_json_schema(spec.spec, any_whitespace=False)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.spec)
+        if spec.kind == "choice":
+            return compiler.compile_grammar(_choice_grammar(spec.spec))
+        if spec.kind == "grammar":
+            return compiler.compile_grammar(spec.spec)
+    except StructuredOutputError:
+        raise
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError on bad input
+        raise StructuredOutputError(f"{spec.kind} cannot be compiled: {_why(exc)}") from exc
+    raise StructuredOutputError(f"unknown structured output kind {spec.kind!r}")
+
+
+def _why(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines() or [""]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[0])  # drop xgrammar's time and source file
+
+
 class GrammarCompilerCache:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None):
         import xgrammar as xgr
@@ -51,37 +84,48 @@ class GrammarCompilerCache:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
         self._lock = threading.Lock()
+        self.compiles = self.loads = 0  # counted for the tests
 
-    def compile(self, spec: StructuredOutput):
+    def get(self, spec: StructuredOutput, compiled: str = ""):
+        """The compiled grammar of spec: from the cache, else deserialized from compiled (the
+        tokenizer stage's serialize_json), else compiled here: when compiled is missing, or
+        was made for another vocabulary (logged). StructuredOutputError when spec does not
+        compile."""
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
                 return hit
-        compiled = self._compile(spec)
+        grammar = None
+        if compiled:
+            try:
+                grammar = self._load(spec, compiled)
+            except StructuredOutputError as exc:
+                log.warning("%s; compiling it here instead", exc)
+        else:
+            log.warning("a %s spec came without its compiled form: compiling it here", spec.kind)
+        if grammar is None:
+            grammar = self._compile(spec)
         with self._lock:
-            self._cache[spec] = compiled
+            self._cache[spec] = grammar
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return compiled
+        return grammar
+
+    compile = get  # a spec alone is compiled (and cached)
+
+    def _load(self, spec: StructuredOutput, compiled: str):
+        self.loads += 1
+        try:
+            grammar = self.xgr.CompiledGrammar.deserialize_json(compiled, self.info)
+        except Exception as exc:  # DeserializeFormatError (another vocabulary), InvalidJSONError
+            raise StructuredOutputError(f"the compiled {spec.kind} grammar does not fit this model: "
+                                        f"{_why(exc)}") from exc
+        if grammar.tokenizer_info.vocab_size != self.info.vocab_size:
+            raise StructuredOutputError(f"the compiled {spec.kind} grammar is for a vocabulary of "
+                                        f"{grammar.tokenizer_info.vocab_size}, not {self.info.vocab_size}")
+        return grammar
 
     def _compile(self, spec: StructuredOutput):
-        c = self.compiler
-        try:
-            if spec.kind == "json":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if spec.kind == "json_schema":
-                return c.compile_json_schema(spec.spec, any_whitespace=False)
-            if spec.kind == "regex":
-                return c.compile_regex(spec.spec)
-            if spec.kind == "choice":
-                return c.compile_grammar(_choice_grammar(spec.spec))
-            if spec.kind == "grammar":
-                return c.compile_grammar(spec.spec)
-        except StructuredOutputError:
-            raise
-        except Exception as exc:  # xgrammar raises RuntimeError/ValueError on bad input
-            lines = str(exc).strip().splitlines() or [""]
-            why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[0])  # drop xgrammar's time and source file
-            raise StructuredOutputError(f"{spec.kind} cannot be compiled: {why}") from exc
-        raise StructuredOutputError(f"unknown structured output kind {spec.kind!r}")
+        self.compiles += 1
+        return compile_spec(self.compiler, spec)

@@ -186,3 +186,30 @@ def test_a_tokenizer_with_its_own_decode_keeps_it(tok):
     assert backend_decode(custom) is None
     pieces, _ = stream(custom, [100, 200])
     assert "".join(pieces) == "custom"
+
+
+def test_a_character_that_never_completes_does_not_grow_the_window(tok):
+    """Stray UTF-8 continuation bytes, one token each: the text is emitted as U+FFFDs a
+    bounded number of tokens late, and every decode covers a bounded window."""
+    from services.tokenizer.detokenizer import MAX_PENDING_TOKENS
+
+    stray = tok.convert_tokens_to_ids("Ģ")  # byte-level BPE's token for the lone byte 0x80
+    assert tok.decode([stray]) == REPLACEMENT_CHAR
+    d = Detokenizer(tok, SamplingParams())
+    windows = []
+    decode = d._decode
+    d._decode = lambda tokens: windows.append(len(tokens)) or decode(tokens)
+    out = "".join(d.step([stray]) for _ in range(1000))
+    assert max(windows) <= 2 * MAX_PENDING_TOKENS  # not 1000: linear work, not quadratic
+    assert len(out) >= 1000 - MAX_PENDING_TOKENS and set(out) == {REPLACEMENT_CHAR}
+    out += d.step([], final=True)
+    assert out == tok.decode([stray] * 1000)  # a lone byte each: one U+FFFD each, as a whole decode
+
+
+def test_skipped_special_tokens_do_not_grow_the_window(tok):
+    d = Detokenizer(tok, SamplingParams())
+    windows = []
+    decode = d._decode
+    d._decode = lambda tokens: windows.append(len(tokens)) or decode(tokens)
+    out = "".join(d.step([EOS]) for _ in range(500)) + d.step(tok.encode(" done"), final=True)
+    assert out == " done" and max(windows) <= 20

@@ -190,3 +190,76 @@ def test_gateway_watch_finds_a_replaced_or_silent_gateway():
     assert watch.heard("g2") == {"g1"}  # a new gateway instance: the old one is gone
     now[0] = 9.5
     assert watch.expired() == {"g2"} and watch.expired() == set()  # silent past the limit, reported once
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_prompt_logprobs_go_once_for_n_samples_and_every_choice_shows_them(stage, tok, echo):
+    """The prompt's entries (length x top candidates) are filled once and sent on one delta of
+    the request; the gateway gives them to each of its n choices, as when each delta had them."""
+    import msgspec
+
+    from services.gateway.openai_schema import ResponseBuilder
+    from shared.messages import TokenLogprob
+
+    ids = tok.encode("Hello big wide world")
+    params = SamplingParams(max_tokens=1, n=3, prompt_logprobs=2, echo=echo, logprobs=1 if echo else None)
+    generate(stage, prompt_token_ids=ids, params=params)
+
+    def scored():
+        return [TokenLogprob(t, -1.0, 3, top=[TokenLogprob(t, -1.0, 3), TokenLogprob(7, -0.5, 1)]) for t in ids[1:]]
+
+    for i in range(3):  # each sample's first delta, as the scheduler sends them
+        stage.handle_scheduler(TokenDelta("r1", [5], len(ids), "length", seq_index=i,
+                                          logprobs=[TokenLogprob(5, -0.5, 1)], prompt_logprobs=scored()))
+    deltas = [msgspec.msgpack.decode(msgspec.msgpack.encode(d), type=TextDelta) for d in stage.gateway]
+    assert [bool(d.prompt_logprobs) for d in deltas] == [True, False, False]
+    assert len(deltas[0].prompt_logprobs) == len(ids) and deltas[0].prompt_logprobs[1].top[1].token
+
+    def body(msgs):
+        out = ResponseBuilder("completion", "cmpl-1", "m", num_choices=3, params=params)
+        for m in msgs:
+            out.record(m)
+        full = out.full([(m.text, m.finish_reason, m.token_ids) for m in msgs], out.usage())
+        full.pop("created")
+        return full
+
+    every = [msgspec.structs.replace(d, prompt_logprobs=deltas[0].prompt_logprobs) for d in deltas]  # as before
+    shared = body(deltas)
+    assert shared == body(every)
+    for choice in shared["choices"]:
+        if echo:
+            assert choice["logprobs"]["tokens"][: len(ids)] == [e.token for e in deltas[0].prompt_logprobs]
+        else:
+            assert len(choice["prompt_logprobs"]) == len(ids) and choice["prompt_logprobs"][0] is None
+
+
+def test_a_constrained_request_waits_for_its_grammar_off_the_loop(stage, tok):
+    """handle_gateway returns at once; poll_grammars later sends the request on with its
+    compiled grammar, or ends it with a 400; an abort meanwhile ends it silently."""
+    import time
+
+    from shared.messages import StructuredOutput
+
+    pytest.importorskip("xgrammar")
+    spec = SamplingParams(max_tokens=4, structured=StructuredOutput("json"))
+    try:
+        generate(stage, "good", prompt="Hi", params=spec)
+        generate(stage, "good", prompt="Hi", params=spec)  # a duplicate while it compiles
+        generate(stage, "bad", prompt="Hi", params=SamplingParams(structured=StructuredOutput("regex", "((")))
+        generate(stage, "gone", prompt="Hi", params=SamplingParams(structured=StructuredOutput("regex", "a+")))
+        stage.handle_gateway(AbortRequest("gone"))
+        [dup] = stage.gateway
+        assert dup.status == 400 and "duplicate" in dup.message
+        assert not [m for m in stage.scheduler if isinstance(m, TokenizedRequest)] and "good" not in stage.active
+        deadline = time.monotonic() + 120
+        while stage.compiling and time.monotonic() < deadline:
+            stage.poll_grammars()
+            time.sleep(0.01)
+        [req] = [m for m in stage.scheduler if isinstance(m, TokenizedRequest)]
+        assert req.request_id == "good" and req.compiled_grammar and "good" in stage.active
+        [_, err] = stage.gateway
+        assert err.request_id == "bad" and err.status == 400 and err.param == "response_format"
+        assert "regex cannot be compiled" in err.message and "gone" not in stage.active
+    finally:
+        if stage.grammars is not None:
+            stage.grammars.close()

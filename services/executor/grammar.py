@@ -7,7 +7,11 @@ start when its history does not match (a preemption, an executor restart, an evi
 entry): the executor stays free of state it cannot rebuild. `masks` fills one bitmask
 row per constrained row (run beside the forward pass: it needs only the step), the
 sampler's logits get -inf outside it, and `accept` moves each matcher past its
-sampled token. A finished grammar allows only the stop tokens (EOS).
+sampled token. A finished grammar allows only the stop tokens (EOS). Grammars are not
+compiled here: each request carries the one the tokenizer stage compiled (in its worker
+pool, under a time limit), deserialized once per spec; only a request built without that
+stage (no compiled form), or whose form was made for another vocabulary, is compiled
+(logged), in the thread that fills the masks.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ class GrammarMasks:
         out = list(seq.output_token_ids)
         entry = self._matchers.get(key)
         if entry is None or entry.seen != out[: len(entry.seen)]:
-            entry = _Entry(self.xgr.GrammarMatcher(self.compilers.compile(seq.sampling.structured)))
+            sampling = seq.sampling  # the tokenizer's compiled form, deserialized once per spec
+            entry = _Entry(self.xgr.GrammarMatcher(self.compilers.get(sampling.structured, sampling.compiled_grammar)))
             self._matchers[key] = entry
         self._matchers.move_to_end(key)
         for token in out[len(entry.seen):]:

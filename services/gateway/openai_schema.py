@@ -775,8 +775,10 @@ class ResponseBuilder:
             choice.stop_reason = msg.stop_reason
         if msg.prompt_text is not None:
             choice.prompt_text = msg.prompt_text
-        if msg.prompt_logprobs:
-            choice.prompt_logprobs = msg.prompt_logprobs
+        if msg.prompt_logprobs:  # sent on one delta of a prompt's n: each of its choices has them
+            base = msg.seq_index - msg.seq_index % self.n
+            for sibling in self.choices[base : base + self.n]:
+                sibling.prompt_logprobs = msg.prompt_logprobs
         if self.logprobs and not self.echo_only:
             choice.logprobs += msg.logprobs
         return all(c.finish_reason is not None for c in self.choices)

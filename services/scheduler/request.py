@@ -44,6 +44,7 @@ class Request:
     # prompt_logprobs: the entries of prompt tokens 1.. scored so far (samples share their parent's)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied when it was first admitted
+    compiled_grammar: str = ""  # params.structured as the tokenizer compiled it, passed on to the executor
 
     @property
     def fork_at(self) -> int:
@@ -58,7 +59,7 @@ class Request:
             self.request_id, self.prompt_token_ids, msgspec.structs.replace(self.params, seed=seed),
             self.eos_token_ids, self.arrival_time, reply_to=self.reply_to,
             block_hashes=list(self.block_hashes), seq_index=seq_index, prompt_logprobs=self.prompt_logprobs,
-            num_cached_tokens=self.num_cached_tokens,
+            num_cached_tokens=self.num_cached_tokens, compiled_grammar=self.compiled_grammar,
         )
 
     @property
@@ -95,7 +96,7 @@ class Request:
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids,
             min_tokens=p.min_tokens, min_tokens_mask=mask if p.min_tokens else [], logprobs=p.logprobs,
-            structured=p.structured, bad_words_ids=p.bad_words_ids,
+            structured=p.structured, bad_words_ids=p.bad_words_ids, compiled_grammar=self.compiled_grammar,
         )
 
     @property

@@ -279,7 +279,7 @@ class SchedulerService:
             self.pending.append((peer, msg))
             return
         req = Request(msg.request_id, list(msg.prompt_token_ids), msg.params, frozenset(msg.eos_token_ids),
-                      msg.arrival_time, reply_to=peer)
+                      msg.arrival_time, reply_to=peer, compiled_grammar=msg.compiled_grammar)
         problem = self.scheduler.check_fits(req)
         if problem is None and msg.request_id in self.scheduler.requests:
             problem = f"request id {msg.request_id!r} is already in use"

@@ -6,7 +6,12 @@ tokenizers, so each step decodes a short window: the tokens from `prefix_offset`
 (already shown, kept as context) plus the new ones, and emits only the text past the
 decoded prefix. While the window's text ends in U+FFFD the character is incomplete,
 so nothing is emitted and the offsets stay, until a later token completes it (or the
-request ends and whatever is there is flushed).
+request ends and whatever is there is flushed). The wait is bounded: a character is at
+most 4 bytes, so once MAX_PENDING_TOKENS tokens have come without completing one (a
+stream of stray UTF-8 bytes, or of skipped special tokens), the window's text is emitted
+as it decodes (its U+FFFD included) and the offsets move on. Each step then decodes a
+window of a bounded number of tokens, never one that grows with the output; normal text
+streams exactly as its whole decode.
 
 Stop strings are matched on the stable text. Text that could still grow into a stop
 string is held back until the next tokens decide it, so a client never sees part of
@@ -23,6 +28,8 @@ REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the first output token, so that it is decoded in
 # context (SentencePiece tokenizers drop the leading space of a window's first token).
 PROMPT_CONTEXT_TOKENS = 6
+# Tokens a window may wait for a character to complete: 4 (UTF-8's longest) plus slack.
+MAX_PENDING_TOKENS = 8
 
 
 def backend_decode(tokenizer):
@@ -97,9 +104,10 @@ class Detokenizer:
     def _decode_new(self, final: bool) -> None:
         prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         window_text = self._decode(self._tokens[self._prefix_offset :])
-        if len(window_text) <= len(prefix_text):
+        give_up = len(self._tokens) - self._read_offset >= MAX_PENDING_TOKENS
+        if len(window_text) <= len(prefix_text) and not give_up:
             return  # special tokens skipped, or nothing decodable yet
-        if window_text.endswith(REPLACEMENT_CHAR) and not final:
+        if window_text.endswith(REPLACEMENT_CHAR) and not (final or give_up):
             return  # an incomplete character: wait for the rest of its bytes
         self._text += window_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset

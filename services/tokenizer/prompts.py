@@ -7,6 +7,7 @@ special tokens added beyond the template's; a text prompt is tokenized as the to
 does by default (add_special_tokens true); token ids are checked
 against the vocabulary. Every prompt must leave room for max_tokens in the context;
 a request without max_tokens (None) gets the rest of the context (`resolve_max_tokens`).
+Structured output specs are compiled by the stage's grammar pool, not here.
 """
 
 from __future__ import annotations
@@ -15,13 +16,11 @@ import msgspec
 from jinja2 import TemplateError
 
 from services.tokenizer.tool_prompt import conversation, template_knows_tools
-from shared import structured_output
 from shared.messages import (
     ChatMessage,
     ChatOptions,
     GenerateRequest,
     SamplingParams,
-    StructuredOutput,
     TokenizeRequest,
 )
 
@@ -39,7 +38,6 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self._grammars = None  # a GrammarCompilerCache, made on the first constrained request
 
     def tokenize(self, req: GenerateRequest | TokenizeRequest) -> tuple[list[int], str]:
         """(token ids, "prompt" or "messages"), unchecked for length."""
@@ -58,21 +56,7 @@ class PromptBuilder:
             raise PromptError(f"The {what} is empty: at least one token is needed.", what)
         self._check_length(len(ids), req.params.max_tokens, what)
         self._check_param_ids(req.params)
-        if req.params.structured is not None:
-            self._check_structured(req.params.structured)
         return ids
-
-    def _check_structured(self, spec: StructuredOutput) -> None:
-        """Compile it now (cached), so a bad schema, regex or grammar is a 400, not a failed step."""
-        if self._grammars is None:
-            if not structured_output.available():
-                raise PromptError("Structured output needs xgrammar on this server "
-                                  "(pip install 'pagedserve[structured]').", "response_format")
-            self._grammars = structured_output.GrammarCompilerCache(self.tokenizer, self.vocab_size)
-        try:
-            self._grammars.compile(spec)
-        except structured_output.StructuredOutputError as exc:
-            raise PromptError(str(exc), "response_format") from exc
 
     def _check_param_ids(self, params: SamplingParams) -> None:
         """Token ids in sampling fields must be in the vocabulary."""

@@ -13,7 +13,9 @@ retry the requests of a replica that dies. With several engines (data parallelis
 to one of them (`engines.EngineLinks`, `engine_router.EngineRouter`), by the engines'
 loads the gateway sends (EngineLoads). When the gateway that sent requests is gone (a
 new gateway instance, or its GatewayBeats stop: `gateway_watch`), their aborts go to the
-scheduler, so a dead gateway's requests stop generating.
+scheduler, so a dead gateway's requests stop generating. Structured output specs compile
+in a pool of worker processes (`grammar_pool`) with a time limit, so that a slow one never
+stalls this loop.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ import time
 import zmq
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from services.tokenizer import grammar_pool
 from services.tokenizer.engine_router import POLICIES
 from services.tokenizer.engines import EngineLinks
 from services.tokenizer.gateway_watch import GatewayWatch
 from services.tokenizer.prompts import PromptBuilder
 from services.tokenizer.stage import TokenizerStage
+from shared import structured_output
 from shared.config import Addresses, add_address_args, add_log_args, add_model_args
 from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
@@ -65,9 +69,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--routing", default="prefix", choices=POLICIES,
                         help="with several engines: how requests are spread over them")
+    grammar_pool.add_args(parser)
     add_address_args(parser, required=False)
     add_log_args(parser)
-
 
 
 def load_model(model: str, max_model_len: int | None):
@@ -99,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     replica = args.replica or f"tokenizer-{socket.gethostname()}-{os.getpid()}"
     state = "loading tokenizer"
     stop = threading.Event()
+    grammars = None
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
@@ -116,7 +121,12 @@ def run(args: argparse.Namespace) -> int:
     from_gateway = None
     try:
         tokenizer, prompts, eos = load_model(args.model, args.max_model_len)
-        stage = TokenizerStage(tokenizer, prompts, eos, to_gateway.send, scheduler.send)
+        grammars = None
+        if structured_output.available():  # workers start on the first constrained request
+            grammars = grammar_pool.GrammarPool.for_tokenizer(
+                tokenizer, prompts.vocab_size, workers=args.grammar_workers,
+                timeout_s=args.grammar_compile_timeout, max_bytes=args.grammar_max_bytes)
+        stage = TokenizerStage(tokenizer, prompts, eos, to_gateway.send, scheduler.send, grammars)
         # Connected only now: the gateway deals requests to every connected replica.
         from_gateway = DealerSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, identity=replica)
         log.info("%s ready: max_model_len=%d eos=%s", replica, prompts.max_model_len, eos)
@@ -129,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         _serve(stage, from_gateway, scheduler, stop, accepted, progress)
     finally:
         heartbeat.stop()  # a daemon thread: it owns its socket, so the context is left to exit
+        if grammars is not None:
+            grammars.close()
         for sock in (from_gateway, to_gateway, scheduler):
             if sock is not None:
                 sock.close()
@@ -160,7 +172,7 @@ def _serve(stage: TokenizerStage, from_gateway: DealerSocket, scheduler: EngineL
 
     while not stop.is_set():
         progress.turned()
-        busy = False
+        busy = stage.poll_grammars()
         for msg in scheduler.recv_nowait():
             stage.handle_scheduler(msg)
             busy = True
@@ -185,4 +197,17 @@ def _serve(stage: TokenizerStage, from_gateway: DealerSocket, scheduler: EngineL
             gateways_gone(gateways.expired(), f"silent for over {gateways.lost_after_s:.0f} s")
         scheduler.forget_finished(stage.active)
         if not busy:
-            wait_readable([from_gateway, *scheduler.sockets.values()], POLL_MS)
+            _wait([from_gateway, *scheduler.sockets.values()], stage.grammars, POLL_MS)
+
+
+def _wait(sockets: list, grammars, timeout_ms: int) -> None:
+    """Until a socket has a message or a grammar worker an answer (at most timeout_ms)."""
+    if grammars is None or not grammars.busy:
+        wait_readable(sockets, timeout_ms)
+        return
+    poller = zmq.Poller()
+    for s in sockets:
+        poller.register(s.sock, zmq.POLLIN)
+    for fd in grammars.fds():
+        poller.register(fd, zmq.POLLIN)
+    poller.poll(timeout_ms)

@@ -8,6 +8,13 @@ request it no longer knows are ignored. A dashboard's WatchPool
 is passed on to the scheduler as it is. A failure while handling
 one request, or token ids outside the vocabulary, end that request with a 500 and
 nothing else.
+
+A request with structured output waits, off the loop, for its spec to compile in the
+grammar worker pool (`grammar_pool`; `poll_grammars` collects the answers every loop
+turn): then it goes on to the scheduler with the compiled grammar, or ends with a 400
+(a bad spec, or one past the pool's time or size limit). With n samples and prompt
+logprobs, the prompt's entries are filled once and sent on the request's first delta
+only; the gateway shares them among the request's choices.
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.tokenizer.detokenizer import Detokenizer
+from services.tokenizer.grammar_pool import GrammarPool
 from services.tokenizer.prompts import PromptBuilder, PromptError
 from services.tokenizer.token_text import TokenTexts
+from shared import structured_output
 from shared.messages import (
     AbortRequest,
     DetokenizeRequest,
@@ -55,6 +64,7 @@ class _Active:
     finished: set[int] = field(default_factory=set)
     prompt_logprobs: list[TokenLogprob] | None = None  # filled with token texts once
     gateway: str = ""  # the instance of the gateway that sent it
+    prompt_logprobs_sent: bool = False  # on one delta of the request: its choices share them
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,6 +90,7 @@ class TokenizerStage:
         eos_token_ids: list[int],
         to_gateway: Callable[[TokenizerToGateway], None],
         to_scheduler: Callable[[TokenizerToScheduler], None],
+        grammars: GrammarPool | None = None,
     ):
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)
@@ -88,6 +99,8 @@ class TokenizerStage:
         self._to_gateway = to_gateway
         self._to_scheduler = to_scheduler
         self.active: dict[str, _Active] = {}
+        self.grammars = grammars  # made on the first constrained request when not given
+        self.compiling: dict[str, tuple[_Active, TokenizedRequest]] = {}  # waiting for their grammar
 
     def handle_gateway(self, msg: GatewayToTokenizer) -> None:
         if isinstance(msg, WatchPool):  # a dashboard's subscription, for the scheduler alone
@@ -108,6 +121,8 @@ class TokenizerStage:
     def _on_gateway(self, msg: GatewayToTokenizer) -> None:
         if isinstance(msg, AbortRequest):
             self.active.pop(msg.request_id, None)
+            if self.compiling.pop(msg.request_id, None) is not None:
+                self.grammars.cancel(msg.request_id)
             self._to_scheduler(msg)
         elif isinstance(msg, TokenizeRequest | DetokenizeRequest):
             self._on_tokenize(msg)
@@ -131,7 +146,7 @@ class TokenizerStage:
         self._to_gateway(TokenizeResult(msg.request_id, ids, limit, token_strs=strs))
 
     def _on_generate(self, req: GenerateRequest) -> None:
-        if req.request_id in self.active:
+        if req.request_id in self.active or req.request_id in self.compiling:
             self._to_gateway(RequestError(req.request_id, 400, "duplicate request id", param="request_id"))
             return
         try:
@@ -144,16 +159,47 @@ class TokenizerStage:
         if params.echo:
             prompt_text = req.prompt if req.prompt is not None else self.tokenizer.decode(
                 ids, skip_special_tokens=params.skip_special_tokens)
-        self.active[req.request_id] = _Active(self.tokenizer, params, ids, prompt_text, gateway=req.gateway_instance)
-        self._to_scheduler(
-            TokenizedRequest(
-                request_id=req.request_id,
-                prompt_token_ids=ids,
-                params=params,
-                eos_token_ids=self.eos_token_ids,
-                arrival_time=time.time(),
-            )
-        )
+        state = _Active(self.tokenizer, params, ids, prompt_text, gateway=req.gateway_instance)
+        forward = TokenizedRequest(request_id=req.request_id, prompt_token_ids=ids, params=params,
+                                   eos_token_ids=self.eos_token_ids, arrival_time=time.time())
+        if params.structured is None:
+            self.active[req.request_id] = state
+            self._to_scheduler(forward)
+            return
+        if not structured_output.available():
+            self._to_gateway(RequestError(req.request_id, 400, "Structured output needs xgrammar on this server "
+                                          "(pip install 'pagedserve[structured]').", param="response_format"))
+            return
+        if self.grammars is None:
+            self.grammars = GrammarPool.for_tokenizer(self.tokenizer, self.prompts.vocab_size)
+        self.compiling[req.request_id] = (state, forward)
+        self.grammars.submit(req.request_id, params.structured)
+
+    def poll_grammars(self) -> bool:
+        """Send on (or fail) the requests whose grammar is answered; True if there were any."""
+        if self.grammars is None:
+            return False
+        try:
+            answered = self.grammars.poll()
+        except Exception:  # the pool is broken: its requests end, the replica goes on
+            log.exception("grammar pool failed")
+            for request_id in list(self.compiling):
+                self._fail(request_id, 500, "internal error while compiling the grammar", "internal_error")
+            self.grammars.close()
+            self.grammars = self.grammars.fresh()
+            return True
+        for request_id, compiled, error in answered:
+            pending = self.compiling.pop(request_id, None)
+            if pending is None:
+                continue  # aborted meanwhile
+            state, forward = pending
+            if error:
+                self._to_gateway(RequestError(request_id, 400, error, param="response_format"))
+                continue
+            forward.compiled_grammar = compiled
+            self.active[request_id] = state
+            self._to_scheduler(forward)
+        return bool(answered)
 
     def _on_scheduler(self, msg: SchedulerToTokenizer) -> None:
         if isinstance(msg, RequestError):
@@ -210,7 +256,10 @@ class TokenizerStage:
         self._to_gateway(out)
 
     def _add_prompt(self, state: _Active, delta: TokenDelta, out: TextDelta) -> None:
-        """A sequence's first delta carries the prompt when the client asked to see it."""
+        """A sequence's first delta carries the prompt when the client asked to see it; the
+        prompt's logprob entries (prompt length x top candidates, each with its text and
+        bytes) are filled once and sent on one delta of the request only, not once per
+        sample: the gateway gives them to each of the request's choices."""
         params = state.params
         if params.echo:
             out.prompt_text = state.prompt_text
@@ -218,19 +267,26 @@ class TokenizerStage:
             if state.prompt_logprobs is None and delta.prompt_logprobs:
                 first = TokenLogprob(state.prompt_ids[0], 0.0, 0)  # rank 0: not scored
                 state.prompt_logprobs = self.token_texts.fill([first, *delta.prompt_logprobs])
-            out.prompt_logprobs = state.prompt_logprobs or []
+            if state.prompt_logprobs and not state.prompt_logprobs_sent:
+                out.prompt_logprobs = state.prompt_logprobs
+                state.prompt_logprobs_sent = True
         if params.echo or params.prompt_logprobs is not None:
             out.prompt_token_ids = state.prompt_ids
 
     def abort_gateway(self, instances: set[str]) -> int:
         """Abort every request of these gateway instances (gone: nobody reads them); how many."""
+        compiling = [rid for rid, (state, _) in self.compiling.items() if state.gateway and state.gateway in instances]
+        for request_id in compiling:  # not sent on yet: nothing to abort downstream
+            del self.compiling[request_id]
+            self.grammars.cancel(request_id)
         gone = [rid for rid, state in self.active.items() if state.gateway and state.gateway in instances]
         for request_id in gone:
             del self.active[request_id]
             self._to_scheduler(AbortRequest(request_id))
-        return len(gone)
+        return len(gone) + len(compiling)
 
     def _fail(self, request_id: str, status: int, message: str, error_type: str) -> None:
+        self.compiling.pop(request_id, None)
         if self.active.pop(request_id, None) is not None:
             self._to_scheduler(AbortRequest(request_id))  # it may be holding KV blocks
         self._to_gateway(RequestError(request_id, status, message, error_type=error_type))

@@ -140,3 +140,11 @@ def test_bad_constraints_are_400(client, tiny_server, body, param):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, extra_body=body)
     assert info.value.body["param"] == param
     assert "/project" not in info.value.body["message"]
+
+
+def test_the_executor_never_compiled_a_grammar(client, tiny_server):
+    """Run last: every grammar above reached the executor compiled by the tokenizer stage, so
+    the executor only deserialized (it logs each spec it must compile itself)."""
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                   response_format={"type": "json_object"})
+    assert "compiling it here" not in tiny_server.log_path.read_text(errors="replace")
