@@ -232,9 +232,7 @@ class ModelRunner:
             asked = [j for j, p in enumerate(params) if p.logprobs is not None]
             if asked:
                 result.logprobs = self._logprobs(raw, asked, tokens, params, failed)
-        result.failed = [FailedRow(meta.sampled_seqs[j], status, why) for j, (status, why) in sorted(failed.items())]
-        for row in result.failed:
-            result.sampled[row.index] = -1
+        failures = {meta.sampled_seqs[j]: why for j, why in failed.items()}  # by index in step.seqs
         row = num_sampled
         for i, m in meta.scored_seqs or []:
             seq = step.seqs[i]
@@ -242,10 +240,12 @@ class ModelRunner:
                 scored = token_logprobs(logits[row : row + m], list(seq.score_targets), [seq.prompt_logprobs] * m)
             except Exception as exc:
                 scored = []  # a placeholder: the request ends with the error
-                if all(f.index != i for f in result.failed):
-                    result.failed.append(FailedRow(i, 500, f"prompt logprobs: {type(exc).__name__}: {exc}"))
+                failures.setdefault(i, (500, f"prompt logprobs: {type(exc).__name__}: {exc}"))
             result.prompt_logprobs.append(scored)
             row += m
+        result.failed = [FailedRow(i, status, why) for i, (status, why) in sorted(failures.items())]
+        for f in result.failed:
+            result.sampled[f.index] = -1
         return result
 
     def _process(self, raw: Tensor, params: list, indices: list[int], histories: list,
