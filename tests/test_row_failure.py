@@ -7,8 +7,10 @@ speaks SmolLM2's tokenizer, so the grammar rows run xgrammar for real."""
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
+from services.executor.logits_processors import History, apply_processors
 from services.executor.model_runner import ModelRunner
 from services.executor.previous_tokens import PreviousTokens
 from services.scheduler.validation import constraints_problem
@@ -169,3 +171,19 @@ def test_admission_refuses_constraints_that_can_leave_no_token(params, eos, fiel
 def test_admission_lets_constraints_that_leave_a_token_through(params):
     assert constraints_problem(params, [EOS], 49152) is None
 
+
+
+def test_processors_that_raise_for_one_row_fail_it_alone(runner):
+    """The batched processors raise (here: a penalized row sent without its history): they are
+    redone row by row, the row that raises fails and allows nothing, the others are processed
+    as in a batch without it."""
+    raw = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    params = [SeqSampling(0.0, 1.0, 0, None, presence_penalty=1.0), SeqSampling(0.0, 1.0, 0, None, logit_bias=[(3, 5.0)]),
+              SeqSampling(0.0, 1.0, 0, None, frequency_penalty=0.5)]
+    histories = [History([], [4, 4]), History(), None]  # the third cannot be penalized
+    failed: dict[int, tuple[int, str]] = {}
+    got = runner._process(raw, params, [2, 0, 1], histories, failed)
+    assert list(failed) == [2] and failed[2][0] == 500 and "history" in failed[2][1]
+    torch.testing.assert_close(got[:2], apply_processors(raw[:2], params[:2], [2, 0], histories[:2]))
+    assert bool((got[2] == float("-inf")).all())
+    assert runner._sample(got, params, [2, 0, 1], failed)[2] == -1 and failed[2][0] == 500
