@@ -396,8 +396,17 @@ class ExecutorReady(Struct, tag=True):
     vocab_size: int = 0  # token ids from peers are checked against it (0: not checked)
 
 
+class FailedRow(Struct, array_like=True):
+    """One sequence of a step whose own computation failed (its grammar, processors, sampling,
+    logprobs): it alone ends, with this status (400: its own constraints leave no token)."""
+
+    index: int  # in the step's seqs
+    status: int
+    message: str
+
+
 class StepResult(Struct, tag=True):
-    """sampled[i] is the token of seqs[i] of the step, or -1 where it was not sampled."""
+    """sampled[i] is the token of seqs[i] of the step, or -1 where it was not sampled or failed."""
 
     step_id: int
     sampled: list[int]
@@ -408,6 +417,8 @@ class StepResult(Struct, tag=True):
     logprobs: list[TokenLogprob] = []
     # the scored positions of the seqs with score_targets, in step order
     prompt_logprobs: list[list[TokenLogprob]] = []
+    # sequences that failed alone (sampled -1); their entries in the lists above are placeholders
+    failed: list[FailedRow] = []
 
 
 class StepFailed(Struct, tag=True):

@@ -140,14 +140,19 @@ def test_bad_words_equal_no_bad_words():
         torch.testing.assert_close(got[i : i + 1], want)
 
 
-def test_a_row_with_no_valid_distribution_takes_the_greedy_pick_and_spares_the_batch():
-    """Every token masked (e.g. a grammar and allowed_token_ids that exclude each other) or an
-    infinite bias: that row falls back to argmax; the other rows sample as before."""
-    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
-    logits[0] = float("-inf")  # nothing allowed
+def test_a_row_that_allows_no_token_is_never_sampled_and_spares_the_batch():
+    """Every token masked (e.g. a grammar and allowed_token_ids that exclude each other): that
+    row comes back -1, greedy or not (never token 0, the argmax of all -inf); an infinite
+    logit still takes its greedy pick; the other rows sample as before."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    logits[0] = float("-inf")  # nothing allowed, sampled row
     logits[1, 7] = float("inf")  # an infinite bias
-    params = [PLAIN, PLAIN, SeqSampling(1.0, 1.0, 0, seed=5), SeqSampling(0.7, 0.9, 10, seed=6)]
-    out = Sampler(seed=0).sample(logits.clone(), params, [0, 0, 0, 0])
-    assert out[0] == int(logits[0].argmax()) and out[1] == 7
-    alone = Sampler(seed=0).sample(logits[2:].clone(), params[2:], [0, 0])
-    assert out[2:] == alone  # seeded rows unchanged by their neighbours' trouble
+    logits[4] = float("-inf")  # nothing allowed, greedy row
+    greedy = SeqSampling(0.0, 1.0, 0, seed=None)
+    params = [PLAIN, PLAIN, SeqSampling(1.0, 1.0, 0, seed=5), SeqSampling(0.7, 0.9, 10, seed=6), greedy, greedy]
+    out = Sampler(seed=0).sample(logits.clone(), params, [0] * 6)
+    assert out[0] == -1 and out[1] == 7 and out[4] == -1
+    assert out[5] == int(logits[5].argmax())
+    alone = Sampler(seed=0).sample(logits[2:4].clone(), params[2:4], [0, 0])
+    assert out[2:4] == alone  # seeded rows unchanged by their neighbours' trouble
+    assert Sampler(seed=0).sample(logits.clone(), params, [0] * 6, skip={2, 5})[2::3] == [-1, -1]

@@ -14,7 +14,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.swap_space import SwapSpace
-from shared.messages import SamplingParams
+from shared.messages import FailedRow, SamplingParams
 
 EOS = 2
 
@@ -351,6 +351,51 @@ def test_random_workloads_keep_invariants_and_finish(specs, mode, num_blocks, sh
 
     got, _ = run_until_done(small, on_step=abort_some)
     check_random_run(small, expected, got, aborts, {f"q{i}" for i in range(len(specs))} - admitted)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(1, 3), st.booleans(), st.booleans()),
+             min_size=1, max_size=8),
+    st.sampled_from(["recompute", "swap"]),
+    st.integers(8, 40),
+    st.integers(0, 2**32),
+)
+def test_rows_the_executor_fails_end_their_requests_alone(specs, mode, num_blocks, seed):
+    """Random workloads where the executor fails some rows of some steps (StepResult.failed):
+    each such request ends whole (all its samples or beams), the pool stays consistent every
+    step, and every other request finishes with the outputs an undisturbed run gives."""
+    def build(sched) -> set[str]:
+        admitted = set()
+        for i, (plen, out, k, beam, _doomed) in enumerate(specs):
+            req = make(f"q{i}", plen, out, n=k, **({"use_beam_search": True, "beam_width": k} if beam else {}))
+            if sched.check_fits(req) is None:
+                sched.add_request(req)
+                admitted.add(req.request_id)
+        return admitted
+
+    expected, small, admitted = random_run_setup(build, mode, num_blocks)
+    doomed = {f"q{i}" for i, (*_, d) in enumerate(specs) if d}
+    rng, executor = random.Random(seed), FakeExecutor(4)
+    got, finish, ended = {}, {}, set()
+    for _ in range(3_000):
+        scheduled = small.schedule()
+        if scheduled is None:
+            break
+        step, chunks = scheduled
+        sampled = executor.execute(step)
+        failed = [FailedRow(i, 400, "no token") for i, c in enumerate(chunks)
+                  if c.samples and c.request.request_id in doomed and rng.random() < 0.3]
+        for f in failed:
+            sampled[f.index] = -1
+        for req, row in small.fail_rows(chunks, failed):
+            assert req.request_id not in ended and row in failed
+            ended.add(req.request_id)
+            assert req.request_id not in small.requests  # every sample of it ended
+        apply_result(small, chunks, sampled, executor.top_logprobs, got, finish)
+        small.check_invariants()
+    check_random_run(small, expected, got, ended, {f"q{i}" for i in range(len(specs))} - admitted)
+    assert ended <= doomed
 
 
 def random_run_setup(build, mode: str, num_blocks: int) -> tuple[dict, Scheduler, set[str]]:

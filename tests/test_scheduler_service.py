@@ -20,6 +20,7 @@ from shared.messages import (
     ExecuteStep,
     ExecutorReady,
     ExecutorToScheduler,
+    FailedRow,
     RequestError,
     SamplingParams,
     SchedulerToExecutor,
@@ -46,6 +47,7 @@ class Stage:
         self.executor_out = PushSocket(self.ctx, self.addrs.executor_out, ExecutorToScheduler, bind=False)
         self.nan_for: set[str] = set()  # requests whose beams get NaN logprobs
         self.forged_for: set[str] = set()  # requests sampled a token id outside any vocabulary
+        self.fail_at: dict[tuple[str, int], int] = {}  # (request, seq index) -> output index its row fails at
         self.steps = 0
         self.thread = threading.Thread(target=self.service.serve, daemon=True)
         self.thread.start()
@@ -68,7 +70,12 @@ class Stage:
                     top.append([(10 + j, lp * (j + 1)) for j in range(seq.num_logprobs)])
             sampled = [(10**6 if seq.request_id in self.forged_for else 7) if seq.sample else -1
                        for seq in step.seqs]
-            self.executor_out.send(StepResult(step.step_id, sampled, 0.001, top))
+            failed = [FailedRow(i, 400, "no token satisfies this request's constraints") for i, seq in
+                      enumerate(step.seqs) if seq.sample and self.fail_at.get((seq.request_id, seq.seq_index),
+                                                                             -1) == seq.output_index]
+            for f in failed:
+                sampled[f.index] = -1
+            self.executor_out.send(StepResult(step.step_id, sampled, 0.001, top, failed=failed))
 
     def run_until(self, done, *tokenizers: DealerSocket, timeout_s: float = 20.0, execute=True) -> dict:
         """Play the executor until done(replies) holds; replies by request id, in order."""
@@ -153,6 +160,41 @@ def test_a_broken_result_for_one_beam_request_fails_it_alone(stage):
     assert [len(m.token_ids) for m in replies["good"]] == [4, 4]
     assert replies["plain"][-1].finish_reason == "length"
     assert stage.service.scheduler.blocks.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("argv", [(), ("--no-async-scheduling",)])
+def test_a_row_the_executor_fails_ends_its_request_alone(argv):
+    """StepResult.failed: the request of that row ends (all its samples: output or an error,
+    not half) with the executor's status and message, its blocks are freed, and the other
+    rows of the step, and the steps after, go on as before."""
+    stage = Stage(argv=argv)
+    try:
+        tok = stage.tokenizer("tok-0")
+        stage.fail_at[("one", 0)] = 2
+        stage.fail_at[("pair", 1)] = 3
+        tok.send(honest("before", 8))
+        tok.send(TokenizedRequest("one", [5, 6, 7, 8, 9], SamplingParams(max_tokens=8, ignore_eos=True), [2], 0.0))
+        tok.send(TokenizedRequest("pair", [5, 6, 7, 8, 9], SamplingParams(max_tokens=8, n=2, ignore_eos=True),
+                                  [2], 0.0))
+        tok.send(honest("after", 8))
+        replies = stage.run_until(lambda r: all(ended(r.get(k, [])) for k in ("before", "one", "pair", "after")), tok)
+        for rid, n_tokens in (("one", 2), ("pair", None)):
+            err = replies[rid][-1]
+            assert isinstance(err, RequestError) and err.status == 400, err
+            assert err.error_type == "invalid_request_error" and "constraints" in err.message
+            assert sum(isinstance(m, RequestError) for m in replies[rid]) == 1
+            if n_tokens is not None:
+                assert tokens(replies[rid]) == [7] * n_tokens
+        for rid in ("before", "after"):
+            assert tokens(replies[rid]) == [7] * 8 and replies[rid][-1].finish_reason == "length"
+        sched = stage.service.scheduler
+        assert "one" not in sched.requests and "pair" not in sched.requests  # both samples of pair ended
+        time.sleep(0.05)
+        sched.check_invariants()
+        assert sched.blocks.num_used_blocks == 0 and not sched.running and not sched.waiting
+        assert stage.thread.is_alive()
+    finally:
+        stage.close()
 
 
 class SmallQueueReplica(DealerSocket):

@@ -12,6 +12,11 @@ compiled here: each request carries the one the tokenizer stage compiled (in its
 pool, under a time limit), deserialized once per spec; only a request built without that
 stage (no compiled form), or whose form was made for another vocabulary, is compiled
 (logged), in the thread that fills the masks.
+
+A sequence whose matcher fails (its grammar does not compile here, its history breaks
+it, its sampled token is refused) fails alone: `masks` and `accept` name its row and
+its entry is dropped; its mask row allows nothing, so it is never sampled; the other
+rows go on.
 """
 
 from __future__ import annotations
@@ -61,25 +66,43 @@ class GrammarMasks:
             self._matchers.popitem(last=False)
         return entry
 
-    def masks(self, seqs: list[ScheduledSeq]) -> Tensor | None:
+    def masks(self, seqs: list[ScheduledSeq]) -> tuple[Tensor | None, dict[int, str]]:
         """[len(seqs), ceil(vocab / 32)] int32 bitmask for the sampled seqs given (rows of
-        unconstrained ones allow everything), or None when none is constrained."""
+        unconstrained ones allow everything), or None when none is constrained; and the rows
+        whose grammar failed, with why (their mask rows allow nothing)."""
         rows = [i for i, s in enumerate(seqs) if s.sampling.structured is not None]
         if not rows:
-            return None
+            return None, {}
         bitmask = self.xgr.allocate_token_bitmask(len(seqs), self.vocab_size)  # all allowed
+        failed: dict[int, str] = {}
         for i in rows:
-            self._matcher(seqs[i]).matcher.fill_next_token_bitmask(bitmask, i)
-        return bitmask
+            try:
+                self._matcher(seqs[i]).matcher.fill_next_token_bitmask(bitmask, i)
+            except Exception as exc:
+                self._matchers.pop((seqs[i].request_id, seqs[i].seq_index), None)
+                bitmask[i] = 0
+                failed[i] = f"grammar: {type(exc).__name__}: {exc}"
+        return bitmask, failed
 
     def apply(self, logits: Tensor, bitmask: Tensor) -> Tensor:
         logits = logits.clone()
         self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
         return logits
 
-    def accept(self, seqs: list[ScheduledSeq], tokens: list[int]) -> None:
-        for seq, token in zip(seqs, tokens, strict=True):
-            if seq.sampling.structured is not None:
-                entry = self._matchers.get((seq.request_id, seq.seq_index))
-                if entry is not None and entry.matcher.accept_token(token):
-                    entry.seen.append(token)
+    def accept(self, seqs: list[ScheduledSeq], tokens: list[int]) -> dict[int, str]:
+        """Move each constrained row's matcher past its token (rows sampled -1 failed before);
+        the rows whose token the grammar refuses, with why."""
+        failed: dict[int, str] = {}
+        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            if seq.sampling.structured is None or token < 0:
+                continue
+            key = (seq.request_id, seq.seq_index)
+            entry = self._matchers.get(key)
+            if entry is None:
+                continue  # evicted: rebuilt from the history next step
+            if entry.matcher.accept_token(token):
+                entry.seen.append(token)
+            else:
+                self._matchers.pop(key, None)
+                failed[i] = f"grammar: token {token} breaks its grammar"
+        return failed

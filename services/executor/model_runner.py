@@ -8,6 +8,13 @@ then sampling of the sequences that asked for a token. `run` returns the whole
 (logits are computed at those positions only for them). Sequences with structured
 output sample under their grammar's token mask (`grammar`), filled during the forward pass.
 
+What is computed per sequence after the forward pass (grammar masks, logits processors,
+sampling, logprobs, prompt scoring) fails only that sequence: the step's result lists it
+in `failed` (sampled -1; 400 when its own constraints leave no token, 500 otherwise)
+and the other rows are exactly what they would be without it. Batched work that raises
+is redone row by row to find the culprits (rare, so no per-row cost otherwise). A forward
+pass or block move that raises still fails the whole step (the caller answers StepFailed).
+
 On CUDA the pool, unless sized explicitly, takes what a profiling pass of the
 largest step leaves of `gpu_memory_utilization` of the GPU (see `gpu_memory`), and
 decode steps replay CUDA graphs when the attention backend allows it. On the CPU,
@@ -45,12 +52,12 @@ from services.executor.logits_processors import History
 from services.executor.logprobs import token_logprobs
 from services.executor.models.llama import head_dim_of
 from services.executor.quantization import ALL_ROWS
-from services.executor.sampler import Sampler
+from services.executor.sampler import Sampler, no_token_problem
 from services.executor.step_calibration import calibrate_runner
 from services.executor.swap_space import SwapSpace
 from services.executor.tp_group import GroupBroken, TPGroup
 from shared import cpu_placement
-from shared.messages import ExecuteStep, StepResult
+from shared.messages import ExecuteStep, FailedRow, StepResult, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +202,16 @@ class ModelRunner:
         result = StepResult(step.step_id, [-1] * len(step.seqs), self.last_forward_s)
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return result
-        bitmask = masks.result() if masks is not None else None
+        failed: dict[int, tuple[int, str]] = {}  # sampled row -> (status, why)
+        bitmask = None
+        if masks is not None:
+            try:
+                bitmask, broken = masks.result()
+                failed.update((j, (500, why)) for j, why in broken.items())
+            except Exception as exc:  # no grammar at all here: only the constrained rows fail
+                log.exception("grammar masks of step %d", step.step_id)
+                failed.update((j, (500, f"grammar: {type(exc).__name__}: {exc}")) for j, s in enumerate(seqs)
+                              if s.sampling.structured is not None)
         num_sampled = len(meta.sampled_seqs)
         if num_sampled:
             params = [s.sampling for s in seqs]
@@ -203,26 +219,91 @@ class ModelRunner:
             histories = [History(s.prompt_token_ids, s.output_token_ids) if s.sampling.needs_output else None
                          for s in seqs]
             raw = logits[:num_sampled]
-            processed = self.sampler.process(raw, params, indices, histories)
+            processed = self._process(raw, params, indices, histories, failed)
             if bitmask is not None:
                 processed = self.grammar.apply(processed, bitmask)
-            tokens = self.sampler.sample(processed, params, indices)
+            tokens = self._sample(processed, params, indices, failed)
             if bitmask is not None:
-                self.grammar.accept(seqs, tokens)
+                for j, why in self.grammar.accept(seqs, tokens).items():
+                    failed[j], tokens[j] = (500, why), -1
             for i, token in zip(meta.sampled_seqs, tokens, strict=True):
                 result.sampled[i] = token
             result.top_logprobs = self._top_logprobs(processed, seqs)
             asked = [j for j, p in enumerate(params) if p.logprobs is not None]
             if asked:
-                result.logprobs = token_logprobs(raw[asked], [tokens[j] for j in asked],
-                                                 [params[j].logprobs for j in asked])
+                result.logprobs = self._logprobs(raw, asked, tokens, params, failed)
+        failures = {meta.sampled_seqs[j]: why for j, why in failed.items()}  # by index in step.seqs
         row = num_sampled
         for i, m in meta.scored_seqs or []:
             seq = step.seqs[i]
-            result.prompt_logprobs.append(token_logprobs(logits[row : row + m], list(seq.score_targets),
-                                                         [seq.prompt_logprobs] * m))
+            try:
+                scored = token_logprobs(logits[row : row + m], list(seq.score_targets), [seq.prompt_logprobs] * m)
+            except Exception as exc:
+                scored = []  # a placeholder: the request ends with the error
+                failures.setdefault(i, (500, f"prompt logprobs: {type(exc).__name__}: {exc}"))
+            result.prompt_logprobs.append(scored)
             row += m
+        result.failed = [FailedRow(i, status, why) for i, (status, why) in sorted(failures.items())]
+        for f in result.failed:
+            result.sampled[f.index] = -1
         return result
+
+    def _process(self, raw: Tensor, params: list, indices: list[int], histories: list,
+                 failed: dict[int, tuple[int, str]]) -> Tensor:
+        """The processed logits; when the batch raises, row by row, failing the rows that raise
+        (their logits all -inf, so nothing is sampled from them)."""
+        try:
+            return self.sampler.process(raw, params, indices, histories)
+        except Exception:
+            log.exception("logits processors of %d rows raised: redone row by row", len(params))
+        rows = []
+        for j in range(len(params)):
+            try:
+                rows.append(self.sampler.process(raw[j : j + 1], params[j : j + 1], indices[j : j + 1],
+                                                 histories[j : j + 1]))
+            except Exception as exc:
+                failed.setdefault(j, (500, f"logits processors: {type(exc).__name__}: {exc}"))
+                rows.append(torch.full_like(raw[j : j + 1], float("-inf")))
+        return torch.cat(rows)
+
+    def _sample(self, processed: Tensor, params: list, indices: list[int],
+                failed: dict[int, tuple[int, str]]) -> list[int]:
+        """A token per row, -1 for the failed ones; a row that allows no token fails (400: its
+        own constraints exclude each other)."""
+        try:
+            tokens = self.sampler.sample(processed, params, indices, set(failed))
+        except Exception:
+            log.exception("sampling %d rows raised: redone row by row", len(params))
+            tokens = [-1] * len(params)
+            for j in range(len(params)):
+                if j in failed:
+                    continue
+                try:
+                    tokens[j] = self.sampler.sample(processed[j : j + 1], params[j : j + 1], indices[j : j + 1])[0]
+                except Exception as exc:
+                    failed[j] = (500, f"sampling: {type(exc).__name__}: {exc}")
+        for j, token in enumerate(tokens):
+            if token < 0 and j not in failed:
+                failed[j] = (400, no_token_problem(params[j], indices[j]))
+        return tokens
+
+    @staticmethod
+    def _logprobs(raw: Tensor, asked: list[int], tokens: list[int], params: list,
+                  failed: dict[int, tuple[int, str]]) -> list[TokenLogprob]:
+        """The sampled tokens' logprobs of the rows in asked; a failed row's is a placeholder
+        (token -1), and a row whose logprobs raise fails."""
+        out = {j: TokenLogprob(-1, 0.0) for j in asked if tokens[j] < 0}
+        live = [j for j in asked if tokens[j] >= 0]
+        try:
+            out.update(zip(live, token_logprobs(raw[live], [tokens[j] for j in live],
+                                                [params[j].logprobs for j in live]), strict=True))
+        except Exception:
+            for j in live:
+                try:
+                    out[j] = token_logprobs(raw[j : j + 1], [tokens[j]], [params[j].logprobs])[0]
+                except Exception as exc:
+                    failed[j], out[j] = (500, f"logprobs: {type(exc).__name__}: {exc}"), TokenLogprob(-1, 0.0)
+        return [out[j] for j in asked]
 
     def _grammar(self) -> GrammarMasks:
         if self.grammar is None:

@@ -6,7 +6,8 @@ that goes on with one sends `[PREVIOUS_TOKEN]` as its token ids. Steps run in th
 order they are sent, so the token is the one that sequence sampled in the step this
 executor ran just before. A step whose placeholder has no such token (the step before
 failed, or did not sample that sequence) is refused whole: running it would compute
-on a wrong token.
+on a wrong token. A sequence that failed alone in the step before (`StepResult.failed`)
+runs on with a stand-in token: its request has ended and its result is dropped.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class PreviousTokens:
         """The tokens step sampled: the only ones the next step's placeholders may stand for."""
         self._sampled = {(seq.request_id, seq.seq_index): token
                          for seq, token in zip(step.seqs, result.sampled, strict=False) if seq.sample and token >= 0}
+        # a sequence that failed alone: the scheduler ends its request and drops what a step sent
+        # ahead computes for it, so any token stands in (refusing that step would fail the others)
+        for row in result.failed:
+            seq = step.seqs[row.index]
+            self._sampled[(seq.request_id, seq.seq_index)] = 0
 
     def clear(self) -> None:
         """The last step failed: it sampled nothing."""

@@ -7,12 +7,18 @@ take one batched argmax; the others are scaled by their temperature, cut by min_
 alone, so a request gives the same output whatever else shares its batch and
 however often it is preempted and recomputed. Unseeded rows share one process
 generator and are drawn together; greedy rows take one batched argmax.
+
+A row whose processed logits leave no token (every one -inf: its grammar, allowed
+tokens, min_tokens and bad words exclude each other) is never sampled: it comes back
+as -1, for the caller to fail that request alone. A row that keeps some token but no
+valid distribution (an infinite logit, a NaN) takes its greedy pick, as a greedy row would.
 """
 
 from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -28,12 +34,17 @@ def draw_seed(seed: int, output_index: int) -> int:
 
 
 def greedy_tokens(logits: Tensor, rows: list[int]) -> list[int]:
-    """The argmax of these rows (the first of equal maxima). On the CPU numpy's: torch's
+    """The argmax of these rows (the first of equal maxima), -1 for a row that is -inf throughout
+    (it allows no token: the argmax's own logit tells, one gather). On the CPU numpy's: torch's
     argmax over a 49k vocabulary takes ~100 us a row on an AVX2 CPU, numpy's ~6 us."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         values = logits.numpy()
-        return (values if len(rows) == len(values) else values[rows]).argmax(axis=-1).tolist()
-    return logits[rows].argmax(dim=-1).tolist()
+        sub = values if len(rows) == len(values) else values[rows]
+        picks = sub.argmax(axis=-1)
+        return np.where(sub[np.arange(len(picks)), picks] == -np.inf, -1, picks).tolist()
+    sub = logits[rows]
+    picks = sub.argmax(dim=-1)
+    return picks.masked_fill(sub.gather(1, picks[:, None])[:, 0] == float("-inf"), -1).tolist()
 
 
 class Sampler:
@@ -47,7 +58,8 @@ class Sampler:
 
     def __call__(self, logits: Tensor, params: list[SeqSampling], output_indices: list[int],
                  histories: list[History | None] | None = None) -> list[int]:
-        """logits [n, vocab] float32, one row per sampled sequence; returns n token ids."""
+        """logits [n, vocab] float32, one row per sampled sequence; returns n token ids (-1: no
+        token allowed)."""
         return self.sample(self.process(logits, params, output_indices, histories), params, output_indices)
 
     @staticmethod
@@ -56,25 +68,33 @@ class Sampler:
         """The logits after every row's processors (the same tensor if none applies)."""
         return apply_processors(logits, params, output_indices, histories)
 
-    def sample(self, logits: Tensor, params: list[SeqSampling], output_indices: list[int]) -> list[int]:
-        """Tokens from processed logits."""
-        out = [0] * len(params)
-        greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_BELOW]
+    def sample(self, logits: Tensor, params: list[SeqSampling], output_indices: list[int],
+               skip: frozenset[int] | set[int] = frozenset()) -> list[int]:
+        """Tokens from processed logits; -1 for the rows in skip (failed before) and the rows
+        that allow no token."""
+        out = [-1] * len(params)
+        greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_BELOW and i not in skip]
         if greedy:
             for i, token in zip(greedy, greedy_tokens(logits, greedy), strict=True):
                 out[i] = token
-        rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
+        rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW and i not in skip]
         if rows:
             chosen = [params[i] for i in rows]
-            probs = self._probabilities(logits[rows], chosen)
-            # a row left with no valid distribution (every token masked by its own processors, or
-            # an infinite bias) takes the greedy pick, as a greedy row would: one request's
-            # settings must never fail the step for the batch
+            sub = logits[rows]
+            probs = self._probabilities(sub, chosen)
+            empty: list[int] = []
+            # a row that keeps some token but no valid distribution (an infinite logit, a NaN)
+            # takes its greedy pick, as a greedy row would; a row that keeps none is drawn from a
+            # placeholder and comes back -1
             broken = ~(torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))
             if bool(broken.any()):
-                fallback = torch.nn.functional.one_hot(logits[rows][broken].argmax(dim=-1), probs.shape[-1])
-                probs[broken] = fallback.to(probs.dtype)
-            for i, token in zip(rows, self._draw(probs, chosen, [output_indices[i] for i in rows]), strict=True):
+                picks = sub[broken].argmax(dim=-1)
+                empty = broken.nonzero()[:, 0][sub[broken].gather(1, picks[:, None])[:, 0] == float("-inf")].tolist()
+                probs[broken] = torch.nn.functional.one_hot(picks, probs.shape[-1]).to(probs.dtype)
+            drawn = self._draw(probs, chosen, [output_indices[i] for i in rows])
+            for j in empty:
+                drawn[j] = -1
+            for i, token in zip(rows, drawn, strict=True):
                 out[i] = token
         return out
 
@@ -122,3 +142,16 @@ class Sampler:
                 gen = torch.Generator(self.device).manual_seed(draw_seed(p.seed, output_indices[i]))
                 picks[i] = int(torch.multinomial(probs[i], 1, generator=gen))
         return picks
+
+
+def no_token_problem(p: SeqSampling, output_index: int) -> str:
+    """Why a row that allows no token fails: the constraints it uses, by their API names."""
+    used = [name for name, on in (
+        ("structured output (response_format / structured_outputs)", p.structured is not None),
+        ("allowed_token_ids", bool(p.allowed_token_ids)),
+        ("min_tokens", output_index < p.min_tokens and bool(p.min_tokens_mask)),
+        ("bad_words", bool(p.bad_words_ids)),
+        ("logit_bias", bool(p.logit_bias)),
+    ) if on]
+    return (f"no token satisfies this request's constraints at output token {output_index}: "
+            f"{', '.join(used) or 'its sampling settings'} exclude every token")

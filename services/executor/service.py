@@ -4,7 +4,8 @@ It connects to the scheduler's two bound sockets, announces its KV pool with
 `ExecutorReady`, then runs one step at a time, in the order they come; a step the
 scheduler built before the previous one's result (async scheduling) names the tokens
 that step sampled as placeholders, filled in here (`previous_tokens`). A step that
-raises is reported as `StepFailed` and the executor keeps serving. A `SchedulerHello` (a scheduler that
+raises is reported as `StepFailed` and the executor keeps serving; a sequence whose own
+computation fails is no step failure (`StepResult.failed`, see `model_runner`). A `SchedulerHello` (a scheduler that
 restarted and has no pool) is answered with the same `ExecutorReady` again.
 SIGTERM/SIGINT end it after the step in flight.
 

@@ -16,7 +16,10 @@ Requests whose owner (`reply_to`) is in `held` (its replies cannot go out now) a
 skipped: they keep their blocks but run no further until released.
 A request whose own handling raises (scheduling it, applying its result, scoring its
 beams) fails alone: its sequences end with "error", their blocks are freed, and
-`take_failed` hands it to the caller to report; every other request goes on.
+`take_failed` hands it to the caller to report; every other request goes on. So does
+one whose row of a step the executor failed alone (`StepResult.failed`, see
+`fail_rows`): the whole request ends (all its samples or beams), its blocks are freed,
+and the step's other rows apply as usual.
 Pure logic: it builds the step message but never touches a socket.
 """
 
@@ -38,6 +41,7 @@ from services.scheduler.validation import request_problem, token_limit
 from shared.messages import (
     PREVIOUS_TOKEN,
     ExecuteStep,
+    FailedRow,
     ScheduledSeq,
     SchedulerStats,
     TokenDelta,
@@ -96,7 +100,8 @@ class Scheduler:
 
     def check_fits(self, req: Request) -> str | None:
         """Why a request can never run on this pool, or None if it can."""
-        problem = request_problem(req.prompt_token_ids, req.params, req.arrival_time, self.config.vocab_size)
+        problem = request_problem(req.prompt_token_ids, req.params, req.arrival_time, self.config.vocab_size,
+                                  req.eos_token_ids)
         if problem is not None:
             return problem
         if req.max_total_tokens > self.config.max_model_len:
@@ -266,6 +271,21 @@ class Scheduler:
             self.requests[parent.request_id].append(child)
             self.running.append(child)
         parent.pending_forks = 0
+
+    def fail_rows(self, chunks: list[ScheduledChunk], failed: list[FailedRow]) -> list[tuple[Request, FailedRow]]:
+        """End the requests of the step's rows the executor failed alone, before the result is
+        applied (their rows are then skipped); a request with several failed rows ends once.
+        Returns each ended request with the row that ended it."""
+        out = []
+        for row in failed:
+            req = chunks[row.index].request
+            if req.is_finished or req not in self.requests.get(req.request_id, ()):
+                continue  # it ended while the step ran
+            log.warning("request %s failed in the executor (%d): %s", req.request_id, row.status, row.message)
+            ended = self.finish_request(req.request_id, "error")
+            if ended is not None:
+                out.append((ended, row))
+        return out
 
     # --- one step --------------------------------------------------------------------
 

@@ -18,7 +18,9 @@ sequences recompute (`Scheduler.undo_swaps`). A scheduler that has no pool yet s
 scheduler announces itself again.
 
 A request whose own handling raises fails alone: it gets a RequestError 500, its
-blocks are freed and the loop goes on (see `Scheduler.take_failed`). Replies to a
+blocks are freed and the loop goes on (see `Scheduler.take_failed`); so does one whose
+row of a step the executor failed alone (`StepResult.failed`: 400 when its own
+constraints leave no token, else 500), while the step's other rows apply. Replies to a
 replica whose queue is full wait in an `Outbox` and hold that replica's requests; a
 replica stuck past STALL_TIMEOUT_S has its requests failed (503) and freed.
 
@@ -235,7 +237,8 @@ class SchedulerService:
         self.executor_warm = True
         beams, logprobs, scored = self.scheduler.expected_outputs(chunks)
         if isinstance(msg, StepResult) and (len(msg.sampled) != len(chunks) or len(msg.top_logprobs) != beams
-                                            or len(msg.logprobs) != logprobs or len(msg.prompt_logprobs) != scored):
+                                            or len(msg.logprobs) != logprobs or len(msg.prompt_logprobs) != scored
+                                            or any(not 0 <= f.index < len(chunks) for f in msg.failed)):
             msg = StepFailed(msg.step_id, f"result for {len(msg.sampled)} sequences, step had {len(chunks)}")
         if isinstance(msg, StepFailed):
             log.error("step %d failed: %s", msg.step_id, msg.message)
@@ -246,6 +249,10 @@ class SchedulerService:
                     self._reply(req.reply_to, RequestError(req.request_id, 500, f"model execution failed: {msg.message}", "internal_error"))
             return
         self.scheduler.confirm_swaps(msg.step_id)
+        for req, row in self.scheduler.fail_rows(chunks, msg.failed):  # one row's failure ends its request only
+            status = 400 if 400 <= row.status < 500 else 500
+            self._reply(req.reply_to, RequestError(req.request_id, status, row.message,
+                                                   "invalid_request_error" if status == 400 else "internal_error"))
         for req, delta in self.scheduler.process_results(chunks, msg.sampled, msg.top_logprobs, msg.logprobs,
                                                              msg.prompt_logprobs):
             self._reply(req.reply_to, delta)

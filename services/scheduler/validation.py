@@ -4,11 +4,25 @@ The gateway validates requests for the API; this is the scheduler's own guard, s
 peer that skips the gateway (or a bug in it) cannot hand the scheduler a request
 that breaks its loop. The ranges are wider than the gateway's: they bound what the
 arithmetic survives, not what is useful.
+
+It also refuses the combinations of constraints that can leave a step with no token
+to sample (`constraints_problem`), each a 400 naming the fields:
+- structured output with `allowed_token_ids`: the grammar may need a token the list
+  leaves out;
+- structured output with `min_tokens` > 0, or with `ignore_eos`: a finished grammar
+  allows only EOS, which `min_tokens` masks and `ignore_eos` steps past (vLLM instead
+  lets the grammar's EOS through under min_tokens; refusing is the rule that never
+  changes what a request asked for);
+- `allowed_token_ids` all masked by `min_tokens` > 0 (every one an EOS or stop token
+  id), or all one-token `bad_words`, or outside the vocabulary.
+What admission cannot see (a grammar whose every path needs a bad word, say) fails at
+run time, that request alone, with a 400 from the executor (`StepResult.failed`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from shared.messages import SamplingParams
 
@@ -70,13 +84,43 @@ def params_problem(p: SamplingParams) -> str | None:
     return None
 
 
+def constraints_problem(p: SamplingParams, eos_token_ids: Iterable[int] = (), vocab_size: int = 0) -> str | None:
+    """Why these constraints can leave no token to sample, or None (see the module docstring)."""
+    if p.structured is not None:
+        clash = [name for name, on in (("allowed_token_ids", bool(p.allowed_token_ids)),
+                                       ("min_tokens", p.min_tokens > 0), ("ignore_eos", p.ignore_eos)) if on]
+        if clash:
+            return (f"structured output (response_format / structured_outputs) cannot be combined with "
+                    f"{' or '.join(clash)}: together they can leave no token to generate (a finished grammar "
+                    "allows only the end-of-sequence token)")
+    if not p.allowed_token_ids:
+        return None
+    top = token_limit(vocab_size)
+    if any(not 0 <= t <= top for t in p.allowed_token_ids):
+        return f"allowed_token_ids holds a token id outside the vocabulary (0 to {top})"
+    left = set(p.allowed_token_ids)
+    masked_by = []
+    if p.min_tokens > 0:
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        if left & stops:
+            masked_by.append("min_tokens (which masks the end-of-sequence and stop_token_ids)")
+        left -= stops
+    banned = {word[0] for word in p.bad_words_ids if len(word) == 1}
+    if left & banned:
+        masked_by.append("bad_words")
+    left -= banned
+    if not left:
+        return f"every token of allowed_token_ids is masked by {' and '.join(masked_by)}: no token is left to generate"
+    return None
+
+
 def token_limit(vocab_size: int) -> int:
     """The largest token id of a vocabulary of vocab_size (0: not known yet)."""
     return vocab_size - 1 if vocab_size > 0 else MAX_TOKEN_ID
 
 
 def request_problem(prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
-                    vocab_size: int = 0) -> str | None:
+                    vocab_size: int = 0, eos_token_ids: Iterable[int] = ()) -> str | None:
     """Why a tokenized request cannot be run, or None."""
     if not prompt_token_ids:
         return "the prompt has no tokens"
@@ -85,4 +129,4 @@ def request_problem(prompt_token_ids: list[int], params: SamplingParams, arrival
         return f"the prompt holds a token id outside the vocabulary (0 to {top})"
     if not math.isfinite(arrival_time):
         return "arrival_time must be a finite number"
-    return params_problem(params)
+    return params_problem(params) or constraints_problem(params, eos_token_ids, vocab_size)

@@ -107,3 +107,56 @@ def test_hostile_requests_beside_honest_streams(tiny_server):
     assert beside == alone  # the same greedy text and ids, streamed to the end
     assert {stage: tiny_server.stage_pid(stage) for stage in stages} == pids  # nothing restarted
     tiny_server.wait_blocks_free(timeout=30)
+
+
+def no_token_corpus() -> list[tuple[str, dict, str]]:
+    """(path, body, a word the 400's message names) of requests whose own constraints leave no
+    token: the first three refused at admission, the last ones only found in the step that
+    runs out of tokens (a regex of one token, which bad_words bans), alone and with n=2."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    return [
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}, "allowed_token_ids": [81]},
+         "allowed_token_ids"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 8, "structured_outputs": {"choice": ["yes"]},
+                             "min_tokens": 6}, "min_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 8, "allowed_token_ids": [2], "min_tokens": 3},
+         "min_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "a"},
+                             "bad_words": ["a"]}, "bad_words"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 4, "n": 2, "temperature": 1.0,
+                             "structured_outputs": {"regex": "a"}, "bad_words": ["a"]}, "bad_words"),
+    ]
+
+
+def test_constraints_that_leave_no_token_fail_alone_beside_honest_streams(tiny_server):
+    """Issue 19: such a request made the sampler take token 0, its grammar then refused it and the
+    whole step failed (every request in it ended with a 500). Now each gets a 400 naming its
+    fields (at admission, or from the step where it runs out), the honest streams beside them
+    end with their undisturbed output, and no stage restarts."""
+    url = tiny_server.url
+    stages = ("gateway", "scheduler", "executor", "tokenizer")
+    pids = {stage: tiny_server.stage_pid(stage) for stage in stages}
+    honest = [greedy(p, 16) for p in prompts(16, seed=23)]
+    alone = asyncio.run(run_load(url, [], honest))
+    assert all(r[0] == 200 and r[3] is None and r[4] for r in alone), alone[:3]
+
+    async def together():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            async def hostile(path, body):
+                async with session.post(url + path, json=body) as resp:
+                    return resp.status, await resp.json()
+
+            honest_task = asyncio.create_task(run_load(url, [], honest))
+            results = await asyncio.gather(*(hostile(path, body) for _ in range(3)
+                                             for path, body, _ in no_token_corpus()))
+            return results, await honest_task
+
+    results, beside = asyncio.run(together())
+    for (status, data), (path, body, word) in zip(results, no_token_corpus() * 3, strict=True):
+        assert status == 400, (path, body, status, data)
+        assert data["error"]["type"] == "invalid_request_error" and word in data["error"]["message"], data
+        if word == "bad_words":  # found in the step, by the executor
+            assert "at output token 0" in data["error"]["message"], data
+    assert beside == alone  # the same greedy text and ids, streamed to the end
+    assert {stage: tiny_server.stage_pid(stage) for stage in stages} == pids  # nothing restarted
+    tiny_server.wait_blocks_free(timeout=30)
