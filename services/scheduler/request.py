@@ -98,6 +98,11 @@ class Request:
             structured=p.structured, bad_words_ids=p.bad_words_ids,
         )
 
+    @cached_property
+    def sampling_bytes(self) -> int:
+        """The size of `sampling` encoded: the executor is sent it once (see executor_states)."""
+        return len(msgspec.msgpack.encode(self.sampling))
+
     @property
     def no_cache_hits(self) -> bool:
         """Its prompt is still to be scored: every position must be computed, none taken
