@@ -54,8 +54,8 @@ class SequenceStates:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def num_seqs(self) -> int:
-        return sum(len(r.seqs) for r in self._requests.values())
+    def held_seqs(self) -> set[tuple[str, int]]:
+        return {(rid, i) for rid, req in self._requests.items() for i in req.seqs}
 
     def receive(self, step: ExecuteStep) -> None:
         """Forget what the step releases (everything first, on reset_states); keep its new state."""

@@ -47,6 +47,10 @@ class ExecutorStates:
     def holds_request(self, request_id: str) -> bool:
         return request_id in self._held
 
+    def held_seqs(self) -> set[tuple[str, int]]:
+        """(request id, seq index) of every sequence the executor holds once the stamped step is in."""
+        return {(rid, i) for rid, seqs in self._held.items() for i in seqs}
+
     def attach(self, seq: ScheduledSeq, req: Request) -> None:
         """Put into seq what the executor lacks of req's state, and count it as sent."""
         sampling = req.sampling  # first: a request whose sampling raises changes nothing here
