@@ -8,7 +8,8 @@ step as soon as it is done instead of waiting for a round trip; at most two step
 are in flight, and results apply in the order the steps were sent. The pool's size
 comes from the executor's `ExecutorReady`; a second `ExecutorReady` from a new
 executor instance means the executor restarted and lost the KV cache, so every
-running request is preempted and recomputed. A scheduler that has no pool yet says
+running request is preempted and recomputed, and every sequence's sampling state is
+sent to it again (as after a step it left unanswered: `ExecutorStates.reset`). A scheduler that has no pool yet says
 `SchedulerHello` every HELLO_INTERVAL_S, so an executor that outlived the previous
 scheduler announces itself again.
 
