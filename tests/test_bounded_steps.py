@@ -46,24 +46,33 @@ class StatefulExecutor(FakeExecutor):
         self.sched = sched
         self.states = SequenceStates()
         self.sizes: list[int] = []
-        self.chunks = []
+        self.chunks = []  # of the step executed next; None: look its requests up
 
     def execute(self, step) -> list[int]:
         frame = ENCODER.encode(step)
         self.sizes.append(len(frame))
         wire = DECODER.decode(frame)
         self.states.receive(wire)
-        # both sides agree on what the executor holds, once the step is in
-        assert self.states.held_seqs() == self.sched.states.held_seqs()
+        if self.chunks is not None:  # (with a step built ahead, the scheduler is one step further)
+            # both sides agree on what the executor holds, once the step is in
+            assert self.states.held_seqs() == self.sched.states.held_seqs()
         assert self.states.fill(wire) == []
-        for seq, chunk in zip(wire.seqs, self.chunks, strict=True):
-            req = chunk.request
+        for seq, req in zip(wire.seqs, self._requests(wire), strict=True):
+            if req is None:
+                continue  # ended while its step was in flight
             assert seq.sampling == req.sampling
             if seq.sample and req.sampling.needs_output:
                 assert list(seq.output_token_ids) == list(req.output_token_ids)
                 want_prompt = req.prompt_token_ids if req.sampling.repetition_penalty != 1 else []
                 assert list(seq.prompt_token_ids) == want_prompt
         return super().execute(wire)
+
+    def _requests(self, step):
+        if self.chunks is not None:
+            return [c.request for c in self.chunks]
+        groups = self.sched.requests
+        return [next((r for r in groups.get(s.request_id, []) if r.seq_index == s.seq_index), None)
+                for s in step.seqs]
 
 
 def assert_all_released(sched: Scheduler, executor: StatefulExecutor) -> None:
@@ -212,3 +221,24 @@ def test_steps_built_ahead_carry_no_state_twice():
     assert first.seqs[0].sampling is not None and first.reset_states
     assert ahead.seqs[0].token_ids == [PREVIOUS_TOKEN] and ahead.seqs[0].sampling is None
     assert len(ENCODER.encode(ahead)) < 1_000
+
+
+def test_steps_built_ahead_keep_the_executor_state_right():
+    from tests.test_async_scheduling import run_pipelined
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64), BlockManager(48, 4))
+    params = [SamplingParams(max_tokens=9, ignore_eos=True, n=2, seed=4, allowed_token_ids=list(range(3, 200))),
+              SamplingParams(max_tokens=7, ignore_eos=True, logit_bias=[(5, 1.0)] * 50),
+              SamplingParams(max_tokens=11, ignore_eos=True)]  # (sampling that reads the output never runs ahead)
+    reqs = [request(f"a{i}", 5 + 4 * i, params[i % 3]) for i in range(6)]
+    for r in reqs:
+        sched.add_request(r)
+    executor = StatefulExecutor(sched)
+    executor.chunks = None
+    outputs, _, ahead = run_pipelined(sched, executor=executor)
+    assert ahead > 0
+    for r in reqs:
+        want = reference_output(r.prompt_token_ids, r.params.max_tokens)
+        for s in range(r.params.n):
+            assert outputs[r.request_id if r.params.n == 1 else (r.request_id, s)] == want
+    assert_all_released(sched, executor)
