@@ -72,3 +72,23 @@ def test_huge_sampling_parameters_beside_honest_streams_complete(server):
     assert "executor lost" not in log
     assert elapsed < 100
     server.wait_blocks_free()
+
+
+async def _complete(url: str, body: dict) -> dict:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
+
+def test_prompt_logprobs_scored_once_reach_every_sample(server):
+    """With n > 1 the prompt is scored once and sent once; every choice still shows it whole."""
+    prompt = prompts(1, seed=5)[0] + [11, 12, 13]
+    body = {"prompt": prompt, "max_tokens": 3, "ignore_eos": True, "prompt_logprobs": 2, "seed": 1}
+    alone = asyncio.run(_complete(server.url, {**body, "n": 1}))["choices"][0]["prompt_logprobs"]
+    assert len(alone) == len(prompt) and alone[0] is None
+    for choice in asyncio.run(_complete(server.url, {**body, "n": 3}))["choices"]:
+        assert choice["prompt_logprobs"] == alone
+    echoed = asyncio.run(_complete(server.url, {**body, "n": 3, "echo": True, "logprobs": 1}))["choices"]
+    heads = [c["logprobs"]["token_logprobs"][: len(prompt)] for c in echoed]
+    assert heads[0][0] is None and all(h == heads[0] for h in heads)
