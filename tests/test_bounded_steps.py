@@ -55,7 +55,7 @@ class StatefulExecutor(FakeExecutor):
         self.states.receive(wire)
         if self.chunks is not None:  # (with a step built ahead, the scheduler is one step further)
             # both sides agree on what the executor holds, once the step is in
-            assert self.states.held_seqs() == self.sched.states.held_seqs()
+            assert self.states.held_seqs() == self.sched.executor_states.held_seqs()
         assert self.states.fill(wire) == []
         for seq, req in zip(wire.seqs, self._requests(wire), strict=True):
             if req is None:
@@ -77,9 +77,9 @@ class StatefulExecutor(FakeExecutor):
 
 def assert_all_released(sched: Scheduler, executor: StatefulExecutor) -> None:
     """Once everything ended, the next step (here an empty one) leaves the executor holding nothing."""
-    assert len(sched.states) == 0
+    assert len(sched.executor_states) == 0
     step = ExecuteStep(0, [])
-    sched.states.stamp(step)
+    sched.executor_states.stamp(step)
     executor.states.receive(step)
     assert len(executor.states) == 0
 

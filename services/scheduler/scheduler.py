@@ -95,7 +95,7 @@ class Scheduler:
         self._failed: list[Request] = []  # failed, not yet reported (see take_failed)
         self._doomed: list[Request] = []  # failed while a step is being built: freed after it
         self.held: set[bytes] = set()  # owners whose requests wait (backpressure)
-        self.states = ExecutorStates()  # what the executor holds of each sequence
+        self.executor_states = ExecutorStates()  # what the executor holds of each sequence
         self._step_bytes = 0  # of the step being built, estimated
         self._step_new: set[str] = set()  # requests whose state the step being built carries
         self._prompt_logprobs_sent: set[str] = set()  # requests (n > 1) whose first delta went out
@@ -118,7 +118,7 @@ class Scheduler:
                 f"the request needs up to {need} KV blocks but the whole KV cache holds "
                 f"{self.blocks.num_blocks}; lower max_tokens or the prompt length"
             )
-        worst = self.states.worst_cost(req, self.config.max_num_batched_tokens, self.blocks.block_size)
+        worst = self.executor_states.worst_cost(req, self.config.max_num_batched_tokens, self.blocks.block_size)
         if worst > self.config.max_step_bytes:
             return (
                 f"the request's sampling parameters and prompt (allowed_token_ids, logit_bias, bad_words: "
@@ -166,7 +166,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.pending_forks = 0
-        self.states.release(req)
+        self.executor_states.release(req)
         group = self.requests.get(req.request_id)
         if group is not None and all(r.is_finished for r in group):
             del self.requests[req.request_id]
@@ -196,7 +196,7 @@ class Scheduler:
         self.beams.pop(req.request_id, None)
         self._prompt_logprobs_sent.discard(req.request_id)
         for seq in group if req in group else [*group, req]:
-            self.states.release(seq)
+            self.executor_states.release(seq)
             for queue in (self.running, self.waiting):
                 if seq in queue:
                     queue.remove(seq)
@@ -227,7 +227,7 @@ class Scheduler:
         else:
             req.num_computed_tokens = 0
         self.blocks.free(req)
-        self.states.release(req)
+        self.executor_states.release(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -244,7 +244,7 @@ class Scheduler:
                 self.swap.free(req.swapped_blocks)
                 req.num_computed_tokens = 0
         self.blocks.reset_cache()
-        self.states.reset()  # the executor restarted or lost steps: every state goes again
+        self.executor_states.reset()  # the executor restarted or lost steps: every state goes again
 
     def _fork(self, parent: Request) -> None:
         """Parallel samples share every block the parent has computed so far."""
@@ -383,7 +383,7 @@ class Scheduler:
             prompt_logprobs=req.params.prompt_logprobs or 0,
             seq_index=req.seq_index,
         )
-        self.states.attach(seq, req)  # its sampling reads no output (else it would not run ahead)
+        self.executor_states.attach(seq, req)  # its sampling reads no output (else it would not run ahead)
         return seq
 
     def _start_step(self) -> None:
@@ -393,11 +393,11 @@ class Scheduler:
     def _fits_bytes(self, req: Request, num_tokens: int) -> bool:
         """Whether a chunk of num_tokens of req keeps the step being built under max_step_bytes
         (then it is counted). A step's first chunk always fits: admission saw that it can."""
-        cost = self.states.seq_cost(req, num_tokens, self.blocks.block_size, self._step_new)
+        cost = self.executor_states.seq_cost(req, num_tokens, self.blocks.block_size, self._step_new)
         if self._step_bytes and self._step_bytes + cost > self.config.max_step_bytes:
             return False
         self._step_bytes += cost
-        if not self.states.holds_request(req.request_id):
+        if not self.executor_states.holds_request(req.request_id):
             self._step_new.add(req.request_id)
         return True
 
@@ -442,7 +442,7 @@ class Scheduler:
         chunks = [c for _, c in kept]
         step = ExecuteStep(step_id=self._next_step_id, seqs=[seq for seq, _ in kept], block_copies=copies,
                            swap_out=swap_out, swap_in=swap_in)
-        self.states.stamp(step)
+        self.executor_states.stamp(step)
         self._next_step_id += 1
         return step, chunks
 
@@ -524,7 +524,7 @@ class Scheduler:
             prompt_logprobs=req.params.prompt_logprobs or 0,
             seq_index=req.seq_index,
         )
-        self.states.attach(seq, req)
+        self.executor_states.attach(seq, req)
         return seq
 
     @staticmethod
