@@ -242,3 +242,20 @@ def test_steps_built_ahead_keep_the_executor_state_right():
         for s in range(r.params.n):
             assert outputs[r.request_id if r.params.n == 1 else (r.request_id, s)] == want
     assert_all_released(sched, executor)
+
+
+def test_the_estimate_covers_a_prefix_cache_hit_and_a_swapped_sequence():
+    """A sequence admitted on a cached prefix or swapped back in computes few tokens but sends
+    its whole block table: the budget still holds."""
+    prompt = [random.Random(1).randrange(3, 100) for _ in range(1600)]
+    budget = 4_000
+    sched = Scheduler(SchedulerConfig(max_step_bytes=budget, max_num_batched_tokens=2048), BlockManager(1000, 4))
+    sched.add_request(Request("warm", prompt, SamplingParams(max_tokens=1), frozenset({EOS}), 0.0))
+    executor = StatefulExecutor(sched)
+    run(sched, executor)
+    for i in range(6):  # each computes a token or two, on a 401-block table
+        sched.add_request(Request(f"hit{i}", prompt + [i + 3], SamplingParams(max_tokens=2, ignore_eos=True),
+                                  frozenset({EOS}), 0.0))
+    executor.sizes.clear()
+    outputs = run(sched, executor)
+    assert len(outputs) == 6 and max(executor.sizes) <= budget

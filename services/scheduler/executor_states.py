@@ -91,7 +91,9 @@ class ExecutorStates:
     def seq_cost(self, req: Request, num_tokens: int, block_size: int, new_requests: set[str]) -> int:
         """Bytes a chunk of num_tokens adds to a step, at most; new_requests: the requests whose
         state the step carries already."""
-        blocks = len(req.block_table) + num_tokens // block_size + 2
+        # its block table covers at most its tokens (more only under a --kv-policy reserve-*
+        # reservation, within the headroom the byte budget leaves), plus a block of slack
+        blocks = max(len(req.block_table), -(-req.num_tokens // block_size)) + 1
         cost = SEQ_BYTES + len(req.request_id) + INT_BYTES * (3 * num_tokens + blocks) + PAIR_BYTES
         held = self._held.get(req.request_id)
         if held is None and req.request_id not in new_requests:
