@@ -93,7 +93,7 @@ class SequenceStates:
             if seq.output_start <= len(state.output):
                 del state.output[seq.output_start:]
                 state.output.extend(seq.output_token_ids)
-            else:  # a gap: the row fails in fill, and a later full resend repairs the state
+            else:  # a gap (tokens never sent here): the row fails in fill, and its request with it
                 req.seqs.pop(seq.seq_index)
         while len(self._requests) > self.max_requests:
             request_id, _ = self._requests.popitem(last=False)
