@@ -1,7 +1,7 @@
 """What the step message costs: an ExecuteStep's size and its msgpack encode and decode times,
 against the forward pass it feeds.
 
-    python -m benchmarks.step_messages [--shapes 1x200 64x200 128x200 256x2048] [--forward]
+    python -m benchmarks.step_messages [--shapes 1x200 64x200 128x200 256x2048] [--forward] [--finding]
 
 Each shape is SEQSxCONTEXT: a decode step of SEQS sequences with CONTEXT tokens each (the
 executor's calibration step), their whole block tables in the message as the scheduler sends
@@ -10,6 +10,11 @@ of the bytes that the block tables take. `--forward` also times SmolLM2's forwar
 the same number of rows (service defaults), so the message's cost reads as a share of a
 step. Block tables sent as changes would cut the block tables' share of the bytes and of
 the decode time; this is what decides whether they are worth it on this machine.
+
+`--finding` builds the steps of issue 19's request mix with the real scheduler (16 prompts x
+n 16, 65,536 allowed ids, 1,024 logit biases, 64 bad words of 64 tokens) and prints each
+step's bytes as sent (sampling once per request) beside what they would be with every
+sequence's sampling and histories in every step, as before.
 """
 
 from __future__ import annotations
@@ -79,11 +84,41 @@ def forward_ms(shapes: list[tuple[int, int]], kv_budget: int) -> dict[tuple[int,
     return out
 
 
+def finding_steps(num_steps: int = 4) -> list[tuple[int, int, int]]:
+    """(sequences, bytes as sent, bytes with every sequence's whole state) of the first steps of
+    issue 19's request mix, built by the scheduler against a pool that holds it all."""
+    import random
+
+    from services.scheduler.block_manager import BlockManager
+    from services.scheduler.request import Request
+    from services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from shared.messages import SamplingParams
+
+    rng = random.Random(19)
+    params = SamplingParams(max_tokens=64, n=16, ignore_eos=True, allowed_token_ids=list(range(65_536)),
+                            logit_bias=[(rng.randrange(49_152), 1.0) for _ in range(1024)],
+                            bad_words_ids=[[rng.randrange(49_152) for _ in range(64)] for _ in range(64)])
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8192), BlockManager(4096, 16))
+    for i in range(16):
+        sched.add_request(Request(f"r{i}", [rng.randrange(49_152) for _ in range(200)], params, frozenset({2}), 0.0))
+    encoder, out = msgspec.msgpack.Encoder(), []
+    for _ in range(num_steps):
+        step, chunks = sched.schedule()
+        whole = msgspec.structs.replace(step, seqs=[
+            msgspec.structs.replace(s, sampling=c.request.sampling, output_start=0,
+                                    output_token_ids=list(c.request.output_token_ids))
+            for s, c in zip(step.seqs, chunks, strict=True)])
+        out.append((len(step.seqs), len(encoder.encode(step)), len(encoder.encode(whole))))
+        sched.process_results(chunks, [5 if c.samples else -1 for c in chunks])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["1x200", "64x200", "128x200", "256x512", "256x2048"])
     p.add_argument("--forward", action="store_true", help="also time SmolLM2's forward pass at each shape")
     p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--finding", action="store_true", help="also the steps of issue 19's request mix")
     p.add_argument("--kv-budget-gib", type=float, default=4.0,
                    help="KV pool of the --forward timing; shapes that do not fit it get no forward time")
     args = p.parse_args(argv)
@@ -99,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         if fwd is not None:
             line += f" {fwd:>11.1f} {100 * (r['encode_us'] + r['decode_us']) / 1e3 / fwd:>13.2f}%"
         print(line)
+    if args.finding:
+        print(f"\nissue 19's mix: {'step':>4} {'seqs':>5} {'MiB sent':>9} {'MiB whole':>10}")
+        for i, (seqs, sent, whole) in enumerate(finding_steps()):
+            print(f"{'':15}{i:>4} {seqs:>5} {sent / 2**20:>9.3f} {whole / 2**20:>10.1f}")
     return 0
 
 

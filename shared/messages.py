@@ -340,6 +340,15 @@ class ScheduledSeq(Struct):
     through block_table; slot_mapping gives each new token's flat slot (block *
     block_size + offset). When sample is set, the last token's logits are sampled;
     output_index is the index of the token being produced, which seeds it reproducibly.
+
+    What does not change between steps travels once (vLLM's new/cached request data):
+    `sampling` (and `prompt_token_ids` when repetition_penalty reads them) only on the
+    first step that names a request the executor holds nothing of; the executor keeps
+    them per request (services/executor/seq_states.py) and fills them in on receipt.
+    Another sequence of a held request brings only its `seed`. `output_token_ids` are the
+    output tokens from index `output_start` on (the ones the executor has not been sent;
+    empty when the sampling reads no output). A sender that sets `sampling` every step,
+    with output_start 0 and the whole output, needs no state on either side.
     """
 
     request_id: str
@@ -349,7 +358,7 @@ class ScheduledSeq(Struct):
     slot_mapping: list[int]
     sample: bool
     output_index: int
-    sampling: SeqSampling
+    sampling: SeqSampling | None = None  # None: the one the executor holds for this request
     num_logprobs: int = 0  # also return this many top (token, logprob) candidates (beams)
     # the tokens generated so far (when the penalties need them), and the prompt too for
     # repetition_penalty
@@ -360,6 +369,8 @@ class ScheduledSeq(Struct):
     score_targets: list[int] = []
     prompt_logprobs: int = 0
     seq_index: int = 0  # which sample of its request (a grammar's state is kept per sequence)
+    seed: int | None = None  # this sequence's sampling seed (its request's held sampling, reseeded)
+    output_start: int = 0  # output_token_ids start at this output index
 
 
 class ExecuteStep(Struct, tag=True):
@@ -368,6 +379,11 @@ class ExecuteStep(Struct, tag=True):
     block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write copies
     swap_out: list[tuple[int, int]] = []  # (device block, host block), done first
     swap_in: list[tuple[int, int]] = []  # (host block, device block), after swap_out
+    # the executor forgets what it holds of these (request id, seq index) sequences (finished,
+    # aborted, preempted), and first of everything it holds when reset_states (a new executor
+    # session: after a restart or a lost step the scheduler sends every state again)
+    released: list[tuple[str, int]] = []
+    reset_states: bool = False
 
 
 class SchedulerHello(Struct, tag=True):

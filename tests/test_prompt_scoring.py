@@ -1,6 +1,7 @@
 """Prompt scoring in the scheduler (issue 11): every prompt position is scored once and in
 order, through chunked prefill, preemption by recompute, forks (n > 1) and a warm prefix
-cache, and the entries reach the first delta of every sequence."""
+cache, and the entries reach the request's first delta, once however many samples it has
+(the tokenizer stage hands them to every sample)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def request(rid: str, prompt: list[int], **params) -> Request:
 def run(sched: Scheduler) -> dict:
     executor = ScoringExecutor(sched.blocks.block_size)
     firsts: dict = {}
+    seen: set = set()  # requests that had a delta
     for _ in range(500):
         scheduled = sched.schedule()
         if scheduled is None:
@@ -52,8 +54,10 @@ def run(sched: Scheduler) -> dict:
         beams, logprobs, scored = sched.expected_outputs(chunks)
         assert scored == len(executor.prompt_logprobs)
         for req, delta in sched.process_results(chunks, sampled, [], [], executor.prompt_logprobs):
-            if delta.prompt_logprobs:
-                firsts[(req.request_id, delta.seq_index)] = delta.prompt_logprobs
+            if delta.prompt_logprobs:  # once a request, on its first delta (the tokenizer fans them out)
+                assert req.request_id not in firsts and req.request_id not in seen
+                firsts[req.request_id] = delta.prompt_logprobs
+            seen.add(req.request_id)
         sched.check_invariants()
     return firsts
 
@@ -74,10 +78,9 @@ def test_every_position_once_through_chunks_preemption_forks_and_cache():
         sched.add_request(request(rid, prompt, n=2 if rid == "r1" else 1, seed=1))
     firsts = run(sched)
     for rid, prompt in prompts.items():
-        for seq in range(2 if rid == "r1" else 1):
-            got = firsts[(rid, seq)]
-            assert [e.token_id for e in got] == prompt[1:]
-            assert [e.logprob for e in got] == expected(prompt)
+        got = firsts[rid]
+        assert [e.token_id for e in got] == prompt[1:]
+        assert [e.logprob for e in got] == expected(prompt)
     assert sched.num_preemptions_total > 0
 
 
@@ -92,5 +95,5 @@ def test_a_scoring_request_takes_no_cache_hits_until_scored():
     assert sched.blocks.num_cached_tokens(plain) > 0
     sched.add_request(scoring)
     firsts = run(sched)
-    assert [e.logprob for e in firsts[("b", 0)]] == expected(prompt)
+    assert [e.logprob for e in firsts["b"]] == expected(prompt)
     assert scoring.num_cached_tokens == 0

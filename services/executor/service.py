@@ -3,9 +3,11 @@
 It connects to the scheduler's two bound sockets, announces its KV pool with
 `ExecutorReady`, then runs one step at a time, in the order they come; a step the
 scheduler built before the previous one's result (async scheduling) names the tokens
-that step sampled as placeholders, filled in here (`previous_tokens`). A step that
-raises is reported as `StepFailed` and the executor keeps serving; a sequence whose own
-computation fails is no step failure (`StepResult.failed`, see `model_runner`). A `SchedulerHello` (a scheduler that
+that step sampled as placeholders, filled in here (`previous_tokens`). Sampling
+parameters and token histories come once per request and sequence and are kept here
+(`seq_states`), filled into each step on receipt. A step that raises is reported as
+`StepFailed` and the executor keeps serving; a sequence whose own computation fails, or
+whose state is missing, is no step failure (`StepResult.failed`, see `model_runner`). A `SchedulerHello` (a scheduler that
 restarted and has no pool) is answered with the same `ExecutorReady` again.
 SIGTERM/SIGINT end it after the step in flight.
 
@@ -36,6 +38,7 @@ import zmq
 from services.executor.kv_cache import parse_size
 from services.executor.model_runner import ModelRunner
 from services.executor.previous_tokens import PreviousTokens
+from services.executor.seq_states import SequenceStates
 from services.executor.tp_group import (
     INSECURE_ENV,
     INSECURE_FLAG,
@@ -52,6 +55,7 @@ from shared.messages import (
     ExecuteStep,
     ExecutorReady,
     ExecutorToScheduler,
+    FailedRow,
     RankKeepalive,
     RankStop,
     SchedulerHello,
@@ -149,6 +153,7 @@ class Executor:
         self.stop = threading.Event()
         self.broken: GroupBroken | None = None
         self.previous = PreviousTokens()  # the last step's tokens, for a step built ahead of its result
+        self.states = SequenceStates()  # sampling and histories, sent once per request
 
     def run(self) -> int:
         args = self.args
@@ -199,14 +204,16 @@ class Executor:
                 if isinstance(step, SchedulerHello):
                     results.send(ready)
                 elif step is not None:
+                    self.states.receive(step)  # releases and new state count even if the step is refused
                     refused = self.previous.fill(step)
                     if refused is not None:
                         log.error("%s", refused)
                         self.previous.clear()
                         results.send(StepFailed(step_id=step.step_id, message=refused))
                         continue
-                    group.send(step)
-                    results.send(self.execute(runner, step))
+                    group.send(step)  # as sent: the other ranks do not sample
+                    failed = self.states.fill(step)
+                    results.send(self.execute(runner, step, failed))
                     if self.broken is not None:
                         raise self.broken
                     idle_since = time.monotonic()
@@ -240,11 +247,13 @@ class Executor:
             kv_cache_dtype=args.kv_cache_dtype, tp=group, compile_decode=args.compile_decode,
         )
 
-    def execute(self, runner: ModelRunner, step: ExecuteStep) -> StepResult | StepFailed:
+    def execute(self, runner: ModelRunner, step: ExecuteStep,
+                failed: list[FailedRow] = ()) -> StepResult | StepFailed:
         """The step's result, or StepFailed. A peer that died mid-step raises GroupBroken (no
         answer: the restarted group's ExecutorReady makes the scheduler recompute); a forward
         pass of this rank's own that failed under tensor parallelism is answered, and
-        `self.broken` then ends the rank."""
+        `self.broken` then ends the rank. The rows in failed (no state held for them) ran on
+        a neutral sampling: their tokens are withheld (-1) and the reasons reported."""
         try:
             result = runner.run(step)
         except GroupBroken as exc:
@@ -258,6 +267,11 @@ class Executor:
             self.previous.clear()
             log.exception("step %d failed", step.step_id)
             return StepFailed(step_id=step.step_id, message=f"{type(exc).__name__}: {exc}")
+        for row in failed:
+            log.error("step %d row %d: %s", step.step_id, row.index, row.message)
+            result.sampled[row.index] = -1
+        if failed:
+            result.failed = [*result.failed, *failed]
         self.previous.record(step, result)
         return result
 

@@ -99,6 +99,11 @@ class Request:
             structured=p.structured, bad_words_ids=p.bad_words_ids, compiled_grammar=self.compiled_grammar,
         )
 
+    @cached_property
+    def sampling_bytes(self) -> int:
+        """The size of `sampling` encoded: the executor is sent it once (see executor_states)."""
+        return len(msgspec.msgpack.encode(self.sampling))
+
     @property
     def cache_salt(self) -> str | None:
         """Sequences with different salts never share prefix-cache blocks."""

@@ -14,6 +14,11 @@ The pool itself may change under it (`replace_pool`: an executor that came back 
 another pool): every request then recomputes on the new one.
 Requests whose owner (`reply_to`) is in `held` (its replies cannot go out now) are
 skipped: they keep their blocks but run no further until released.
+Each step stays under `max_step_bytes` encoded (a quarter of the largest message a
+socket takes): sequences are added while their estimated bytes fit (`executor_states`),
+and the rest wait for the next step; a request whose sequence alone could not fit is
+refused at admission. Sampling parameters and token histories are sent once per
+request and sequence (`ExecutorStates` mirrors what the executor holds).
 A request whose own handling raises (scheduling it, applying its result, scoring its
 beams) fails alone: its sequences end with "error", their blocks are freed, and
 `take_failed` hands it to the caller to report; every other request goes on. So does
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 from services.scheduler import beam_search
 from services.scheduler.beam_search import BeamState
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.executor_states import ExecutorStates
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.swap_space import SwapSpace
 from services.scheduler.token_history import TokenHistory
@@ -47,6 +53,7 @@ from shared.messages import (
     TokenDelta,
     TokenLogprob,
 )
+from shared.transport import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +65,9 @@ class SchedulerConfig:
     max_model_len: int = 8192
     preemption_mode: str = "recompute"  # or "swap"
     vocab_size: int = 0  # the model's, from ExecutorReady (0: unknown); token ids are checked against it
+    # an ExecuteStep's encoded size stays under this (estimated); block moves are not counted,
+    # so leave room for them below the socket's limit
+    max_step_bytes: int = MAX_MESSAGE_BYTES // 4
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,10 @@ class Scheduler:
         self._doomed: list[Request] = []  # failed while a step is being built: freed after it
         self._swap_outs: dict[int, list[Request]] = {}  # step id -> sequences it swaps out, until answered
         self.held: set[bytes] = set()  # owners whose requests wait (backpressure)
+        self.executor_states = ExecutorStates()  # what the executor holds of each sequence
+        self._step_bytes = 0  # of the step being built, estimated
+        self._step_new: set[str] = set()  # requests whose state the step being built carries
+        self._prompt_logprobs_sent: set[str] = set()  # requests (n > 1) whose first delta went out
 
     # --- requests in and out -------------------------------------------------------
 
@@ -114,6 +128,13 @@ class Scheduler:
             return (
                 f"the request needs up to {need} KV blocks but the whole KV cache holds "
                 f"{self.blocks.num_blocks}; lower max_tokens or the prompt length"
+            )
+        worst = self.executor_states.worst_cost(req, self.config.max_num_batched_tokens, self.blocks.block_size)
+        if worst > self.config.max_step_bytes:
+            return (
+                f"the request's sampling parameters and prompt (allowed_token_ids, logit_bias, bad_words: "
+                f"{req.sampling_bytes} bytes encoded) would make a model step of up to {worst} bytes, over the "
+                f"{self.config.max_step_bytes} bytes a step may take; send fewer of them"
             )
         return None
 
@@ -156,10 +177,12 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.pending_forks = 0
+        self.executor_states.release(req)
         group = self.requests.get(req.request_id)
         if group is not None and all(r.is_finished for r in group):
             del self.requests[req.request_id]
             self.beams.pop(req.request_id, None)
+            self._prompt_logprobs_sent.discard(req.request_id)
         elif group is not None and req.request_id in self.beams:
             group.remove(req)  # a dropped beam: its search no longer needs it
 
@@ -182,7 +205,9 @@ class Scheduler:
         log.error("request %s failed: %r", req.request_id, exc, exc_info=exc)
         group = self.requests.pop(req.request_id, None) or [req]
         self.beams.pop(req.request_id, None)
+        self._prompt_logprobs_sent.discard(req.request_id)
         for seq in group if req in group else [*group, req]:
+            self.executor_states.release(seq)
             for queue in (self.running, self.waiting):
                 if seq in queue:
                     queue.remove(seq)
@@ -214,6 +239,7 @@ class Scheduler:
         else:
             req.num_computed_tokens = 0
         self.blocks.free(req)
+        self.executor_states.release(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -231,6 +257,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
         self._swap_outs.clear()
         self.blocks.reset_cache()
+        self.executor_states.reset()  # the executor restarted or lost steps: every state goes again
 
     def replace_pool(self, blocks: BlockManager, swap: SwapSpace | None, config: SchedulerConfig,
                      ) -> list[tuple[Request, str]]:
@@ -303,6 +330,8 @@ class Scheduler:
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         preempted = False  # then nothing is admitted, so no step both swaps out and in
+        full = False  # the step's byte budget is spent: nothing more is added
+        self._start_step()
 
         in_step: set[int] = set()  # ids of the requests with a chunk in this step
         i = 0
@@ -316,6 +345,9 @@ class Scheduler:
                 if n == 0:  # a beam waiting for its siblings' candidates
                     i += 1
                     continue
+                if not self._fits_bytes(req, n):
+                    full = True
+                    break
                 while not self.blocks.can_append(req, n):
                     idle = self._idle_beam(chunks)
                     if idle is not None:  # blocks nobody computes with this step go first
@@ -340,7 +372,7 @@ class Scheduler:
                 self._doom(req, exc)  # its siblings may sit before i: scan again from the start
                 i = 0
 
-        if not preempted:
+        if not preempted and not full:
             self._admit_waiting(budget, chunks, swap_in)
         return self._assemble(chunks, self._seqs(chunks), copies, swap_out, swap_in)
 
@@ -370,9 +402,10 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         seqs: list[ScheduledSeq | None] = []
         copies: list[tuple[int, int]] = []
+        self._start_step()
         for req, start in going:
             n = start + 1 - req.num_computed_tokens  # the tokens in flight, then this one
-            if budget <= 0 or not self.blocks.can_append(req, n):
+            if budget <= 0 or not self.blocks.can_append(req, n) or not self._fits_bytes(req, n):
                 continue
             copies += self.blocks.append_slots(req, n)
             chunks.append(ScheduledChunk(req, 1))
@@ -400,7 +433,7 @@ class Scheduler:
         return going
 
     def _ahead_seq(self, req: Request, start: int) -> ScheduledSeq:
-        return ScheduledSeq(
+        seq = ScheduledSeq(
             request_id=req.request_id,
             token_ids=[PREVIOUS_TOKEN],
             start_pos=start,
@@ -408,10 +441,26 @@ class Scheduler:
             slot_mapping=self.blocks.slot_mapping(req, start, 1),
             sample=True,
             output_index=req.num_output_tokens + 1,
-            sampling=req.sampling,
             prompt_logprobs=req.params.prompt_logprobs or 0,
             seq_index=req.seq_index,
         )
+        self.executor_states.attach(seq, req)  # its sampling reads no output (else it would not run ahead)
+        return seq
+
+    def _start_step(self) -> None:
+        self._step_bytes = 0
+        self._step_new.clear()
+
+    def _fits_bytes(self, req: Request, num_tokens: int) -> bool:
+        """Whether a chunk of num_tokens of req keeps the step being built under max_step_bytes
+        (then it is counted). A step's first chunk always fits: admission saw that it can."""
+        cost = self.executor_states.seq_cost(req, num_tokens, self.blocks.block_size, self._step_new)
+        if self._step_bytes and self._step_bytes + cost > self.config.max_step_bytes:
+            return False
+        self._step_bytes += cost
+        if not self.executor_states.holds_request(req.request_id):
+            self._step_new.add(req.request_id)
+        return True
 
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk], swap_in: list[tuple[int, int]]) -> None:
         """Admit waiting sequences in order while the budget, the running cap and the pool allow."""
@@ -432,6 +481,9 @@ class Scheduler:
         """The step's entries of these chunks; None for one whose request failed building it."""
         seqs = []
         for c in chunks:
+            if c.request.is_finished:  # a sibling failed before it: dropped from the step
+                seqs.append(None)
+                continue
             try:
                 seqs.append(self._seq(c))
             except Exception as exc:
@@ -451,6 +503,7 @@ class Scheduler:
         chunks = [c for _, c in kept]
         step = ExecuteStep(step_id=self._next_step_id, seqs=[seq for seq, _ in kept], block_copies=copies,
                            swap_out=swap_out, swap_in=swap_in)
+        self.executor_states.stamp(step)
         self._next_step_id += 1
         return step, chunks
 
@@ -473,6 +526,8 @@ class Scheduler:
             fits = self.blocks.can_allocate(req, n)
         if not fits:
             return self._preempt_idle_beam(chunks)
+        if n and not self._fits_bytes(req, n):
+            return False
         if restoring:
             swap_in.extend(zip(req.swapped_blocks, self.blocks.restore(req, n), strict=True))
             self.swap.free(req.swapped_blocks)
@@ -519,9 +574,7 @@ class Scheduler:
 
     def _seq(self, chunk: ScheduledChunk) -> ScheduledSeq:
         req, start = chunk.request, chunk.request.num_computed_tokens
-        sampling = req.sampling
-        history = chunk.samples and sampling.needs_output
-        return ScheduledSeq(
+        seq = ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.token_ids(start, start + chunk.num_tokens),
             start_pos=start,
@@ -529,14 +582,13 @@ class Scheduler:
             slot_mapping=self.blocks.slot_mapping(req, start, chunk.num_tokens),
             sample=chunk.samples,
             output_index=req.num_output_tokens,
-            sampling=req.sampling,
             num_logprobs=2 * req.params.beam_width if req.params.use_beam_search else 0,
-            output_token_ids=list(req.output_token_ids) if history else [],
-            prompt_token_ids=req.prompt_token_ids if history and sampling.repetition_penalty != 1 else [],
             score_targets=req.score_targets(start, chunk.num_tokens),
             prompt_logprobs=req.params.prompt_logprobs or 0,
             seq_index=req.seq_index,
         )
+        self.executor_states.attach(seq, req)
+        return seq
 
     @staticmethod
     def expected_outputs(chunks: list[ScheduledChunk]) -> tuple[int, int, int]:
@@ -611,17 +663,28 @@ class Scheduler:
             req.candidates = [tuple(c) for c in beam_cands]
             return None
         req.output_token_ids.append(token)
+        first = req.num_output_tokens == 1
+        prompt_logprobs = self._first_of_request(req) if first and req.params.prompt_logprobs is not None else False
         reason = req.stop_reason(self.config.max_model_len)
         if reason is not None:
             self._finish(req, reason)
         delta = TokenDelta(req.request_id, [token], req.num_prompt_tokens, reason, req.seq_index,
                            logprobs=[token_lp] if token_lp is not None else [],
                            stop_token_id=token if reason == "stop" else None)
-        if req.num_output_tokens == 1:  # a sequence's first delta says what its prompt cost
+        if first:  # a sequence's first delta says what its prompt cost
             delta.num_cached_tokens = req.num_cached_tokens
-            if req.params.prompt_logprobs is not None:
+            if prompt_logprobs:  # once a request: the tokenizer stage gives them to every sample
                 delta.prompt_logprobs = req.prompt_logprobs
         return delta
+
+    def _first_of_request(self, req: Request) -> bool:
+        """Whether this is the request's first delta among its samples (counted if so)."""
+        if req.params.n == 1:
+            return True
+        if req.request_id in self._prompt_logprobs_sent:
+            return False
+        self._prompt_logprobs_sent.add(req.request_id)
+        return True
 
     def _advance_beams(self, request_id: str) -> list[tuple[Request, TokenDelta]]:
         """Once every live beam has its candidates: choose the next beams, fork and drop

@@ -13,7 +13,8 @@ running request is preempted and recomputed. One that comes back with another po
 new block manager sized for it: the requests recompute there, and those it can never
 hold end with a 503. An executor reporting an unusable pool (no blocks) is refused
 until it reports a usable one. A failed step's swap-outs are not taken as done: those
-sequences recompute (`Scheduler.undo_swaps`). A scheduler that has no pool yet says
+sequences recompute (`Scheduler.undo_swaps`). After any restart or a step left unanswered,
+every sequence's sampling state is sent to the executor again (`ExecutorStates.reset`). A scheduler that has no pool yet says
 `SchedulerHello` every HELLO_INTERVAL_S, so an executor that outlived the previous
 scheduler announces itself again.
 
