@@ -209,7 +209,8 @@ def test_a_step_naming_a_sequence_the_executor_does_not_hold_fails_that_row_alon
     wire.seqs[0].sampling = None  # as if its first step had been lost
     states.receive(wire)
     failed = states.fill(wire)
-    assert [i for i, _ in failed] == [0] and "holds no sampling state" in failed[0][1]
+    assert [row.index for row in failed] == [0] and failed[0].status == 500
+    assert "holds no sampling state" in failed[0].message
     assert wire.seqs[1].sampling == sched.requests["b"][0].sampling
 
 
