@@ -24,7 +24,7 @@ PROMPTS, N = 4, 4
 
 
 def hostile() -> dict:
-    words = ["lorem ipsum dolor sit amet consectetur adipiscing " * 4] * 32
+    words = ["lorem ipsum dolor sit amet consectetur adipiscing " * 2] * 32  # within the gateway's 4096 chars
     return {"prompt": [[5 + i, 6, 7, 8, 9] for i in range(PROMPTS)], "n": N, "max_tokens": 6, "ignore_eos": True,
             "allowed_token_ids": list(range(3, 40_003)),  # ~120 KB a SeqSampling: 16 of them > LIMIT
             "logit_bias": {str(i): 0.5 for i in range(100, 1124)}, "bad_words": words, "seed": 3}

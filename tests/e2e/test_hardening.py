@@ -95,7 +95,7 @@ def test_a_post_body_that_is_not_declared_json_gets_415(server, path, content_ty
 
 def test_a_client_that_sends_its_headers_slowly_is_disconnected(server):
     sock = connect(server)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     closed = False
     for i in range(60):  # one header line every 0.5 s: far slower than the timeout allows
         try:
@@ -113,7 +113,7 @@ def test_a_client_that_sends_its_headers_slowly_is_disconnected(server):
 
 def test_a_client_that_sends_its_body_slowly_gets_408(server):
     sock = connect(server)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 100\r\n\r\n{\"prompt\":")
     sock.settimeout(30)
     answer = sock.recv(65536)
@@ -129,7 +129,7 @@ def test_a_client_that_stops_reading_its_stream_is_cut_off_and_its_request_freed
     body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 400, "n": 8, "temperature": 0, "ignore_eos": True,
                        "return_token_ids": True, "stream": True}).encode()
     sock = connect(server, rcvbuf=4096)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     try:  # never read: the answer (8 x 400 chunks) is far more than the socket buffers hold
         # the handler gives up when one write stalls (or its buffer fills first), and aborts the request
