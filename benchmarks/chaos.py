@@ -8,11 +8,16 @@ seeded samples, beam search, clients that disconnect after a few chunks and clie
 that read slowly, all with ignore_eos so every answer's length is known. While it runs,
 one at a time once the server is healthy again: the executor is killed (kill -9), a
 tokenizer replica is frozen (SIGSTOP) for --freeze-s seconds, the other replica is
-killed, and the scheduler is killed. Prints requests sent, completed, failed with an
-error, disconnected on purpose, hung (no end within --hang-s: must be 0), lost tokens
-(tokens missing from completed answers: must be 0) and whether the deterministic
-outputs (greedy, beams, seeded, n = 2 seeded) equal the undisturbed run's, then the same as JSON.
-Exits 1 when a request hung, a token was lost or a deterministic output differs.
+killed, and the scheduler is killed. Beside the load, both runs send issue 19's attacks
+(`tests.e2e.attacks`: constraints that leave no token, a 256-sample step-size attack,
+schemas too deep, big or slow, the request limits, a rebound Host, tenant salts) round
+after round. Prints requests sent, completed, failed with an error, disconnected on
+purpose, hung (no end within --hang-s: must be 0), lost tokens (tokens missing from
+completed answers: must be 0) and whether the deterministic outputs (greedy, beams,
+seeded, n = 2 seeded) equal the undisturbed run's; then the attacks sent, answered as
+expected, hung, and (during the chaos run) answered otherwise while a stage was down;
+then the same as JSON. Exits 1 when a request or attack hung, a token was lost, a
+deterministic output differs, or an attack of the undisturbed run got another answer.
 `--model` serves another model (default: the tests' tiny random Llama, built for the run).
 """
 
@@ -30,6 +35,7 @@ from pathlib import Path
 
 import aiohttp
 
+from tests.e2e.attacks import attacks, problem, send
 from tests.helpers import ServerProcess, get, make_tiny_llama, sse_events
 
 KINDS = {  # share of the load
@@ -132,6 +138,48 @@ class Load:
         return self.outcomes
 
 
+class AttackRounds:
+    """Sends every attack at once, round after round, until stopped; records each answer's
+    problem (None when it was answered as it must be) or that it hung."""
+
+    def __init__(self, url: str, hang_s: float):
+        self.url, self.hang_s = url, hang_s
+        self.answers: list[tuple[str, str | None]] = []  # (attack, problem or "hung")
+        self.stop = asyncio.Event()
+
+    async def _one(self, session, attack) -> None:
+        try:
+            status, data = await asyncio.wait_for(send(session, self.url, attack), self.hang_s)
+            self.answers.append((attack.name, problem(attack, status, data)))
+        except TimeoutError:
+            self.answers.append((attack.name, "hung"))
+        except aiohttp.ClientError as exc:
+            self.answers.append((attack.name, f"{attack.name}: {exc!r}"))
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            while not self.stop.is_set():
+                await asyncio.gather(*(self._one(session, a) for a in attacks()))
+
+    def summary(self) -> dict:
+        problems = [p for _, p in self.answers if p is not None]
+        return {"sent": len(self.answers), "as_expected": len(self.answers) - len(problems),
+                "hung": problems.count("hung"), "otherwise": len(problems) - problems.count("hung"),
+                "samples": [p for p in problems if p != "hung"][:5]}
+
+
+async def with_attacks(url: str, hang_s: float, main) -> tuple[object, dict]:
+    """Run the coroutine main with attack rounds beside it; its result and the attacks' summary."""
+    rounds = AttackRounds(url, hang_s)
+    task = asyncio.create_task(rounds.run())
+    try:
+        result = await main
+    finally:
+        rounds.stop.set()
+    await task
+    return result, rounds.summary()
+
+
 def health(url: str) -> tuple[int, dict]:
     status, body = get(url + "/health", timeout=5)
     return status, json.loads(body)
@@ -187,7 +235,8 @@ async def chaos(url: str, requests: list, concurrency: int, hang_s: float, freez
     return await task, events
 
 
-def report(requests: list, reference: list, disturbed: list, events: list, wall_s: float, blocks_free: bool) -> dict:
+def report(requests: list, reference: list, disturbed: list, events: list, wall_s: float, blocks_free: bool,
+           attacks_reference: dict, attacks_chaos: dict) -> dict:
     ends = [o["end"] for o in disturbed]
     lost_tokens, compared, equal = 0, 0, 0
     for (kind, body), ref, got in zip(requests, reference, disturbed, strict=True):
@@ -216,6 +265,8 @@ def report(requests: list, reference: list, disturbed: list, events: list, wall_
         "kv_blocks_free_at_end": blocks_free,
         "events": events,
         "chaos_wall_s": round(wall_s, 1),
+        "attacks_undisturbed": attacks_reference,
+        "attacks_during_chaos": attacks_chaos,
     }
 
 
@@ -228,25 +279,30 @@ def main() -> int:
         run_dir.mkdir()
         extra = ["--dtype", args.dtype, "--tokenizer-replicas", "2"]
         with ServerProcess(model, run_dir, extra) as server:
-            reference = asyncio.run(Load(server.url, requests, args.concurrency, args.hang_s).run())
+            reference, attacks_reference = asyncio.run(with_attacks(
+                server.url, args.hang_s, Load(server.url, requests, args.concurrency, args.hang_s).run()))
             started = time.monotonic()
-            disturbed, events = asyncio.run(chaos(server.url, requests, args.concurrency, args.hang_s,
-                                                  args.freeze_s))
+            (disturbed, events), attacks_chaos = asyncio.run(with_attacks(
+                server.url, args.hang_s, chaos(server.url, requests, args.concurrency, args.hang_s, args.freeze_s)))
             wall_s = time.monotonic() - started
             try:
                 server.wait_blocks_free(timeout=30)
                 blocks_free = True
             except AssertionError:
                 blocks_free = False
-    result = report(requests, reference, disturbed, events, wall_s, blocks_free)
+    result = report(requests, reference, disturbed, events, wall_s, blocks_free, attacks_reference, attacks_chaos)
     print(f"sent {result['sent']}, completed {result['completed']}, failed with an error "
           f"{result['failed_with_error']}, disconnected on purpose {result['disconnected_on_purpose']}, "
           f"hung {result['hung']}, lost tokens {result['lost_tokens']}; deterministic outputs equal to the "
           f"undisturbed run: {result['deterministic_outputs_equal_to_undisturbed_run']}")
+    for name, a in (("undisturbed", attacks_reference), ("chaos", attacks_chaos)):
+        print(f"attacks ({name} run): sent {a['sent']}, as expected {a['as_expected']}, hung {a['hung']}, "
+              f"answered otherwise {a['otherwise']}")
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    ok = result["hung"] == 0 and result["lost_tokens"] == 0 and result["deterministic_outputs_all_equal"]
+    ok = (result["hung"] == 0 and result["lost_tokens"] == 0 and result["deterministic_outputs_all_equal"]
+          and attacks_reference["hung"] == attacks_reference["otherwise"] == 0 and attacks_chaos["hung"] == 0)
     return 0 if ok else 1
 
 

@@ -14,12 +14,17 @@ Applied in this order, before temperature (as vLLM does):
 
 A row's history (its prompt and output token ids) is turned into counts with one
 scatter over a padded [rows, length] tensor; nothing loops over the vocabulary in
-Python. Rows that use no processor are untouched, and a step where no row uses one
+Python. The tensors made from a request's long lists (an `allowed_token_ids` mask over the
+vocabulary, `logit_bias` as index and value tensors) are built once per list and kept
+(`_derived`, keyed by the list object, which the executor's sequence states keep and share
+between a request's samples): a request of 256 samples that each allow the whole vocabulary
+would otherwise cost seconds of Python per step, for everyone in the batch. Rows that use no processor are untouched, and a step where no row uses one
 returns the logits as they came (no copy).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -56,6 +61,44 @@ def _counts(rows: list[Sequence[int]], vocab: int, device) -> Tensor:
     return counts[:, :vocab]
 
 
+class _Derived:
+    """Tensors made from a sampling list, by the list's identity (held here so the id stays
+    its own), least recently used dropped past MAX_DERIVED."""
+
+    MAX_DERIVED = 512
+
+    def __init__(self):
+        self._entries: OrderedDict[tuple, tuple[object, object]] = OrderedDict()
+
+    def get(self, kind: str, values: list, vocab: int, device, build):
+        key = (kind, id(values), vocab, str(device))
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] is values:
+            self._entries.move_to_end(key)
+            return hit[1]
+        made = build(values, vocab, device)
+        self._entries[key] = (values, made)
+        while len(self._entries) > self.MAX_DERIVED:
+            self._entries.popitem(last=False)
+        return made
+
+
+_derived = _Derived()
+
+
+def _allowed_mask(tokens: list[int], vocab: int, device) -> Tensor:
+    keep = torch.zeros(vocab, dtype=torch.bool, device=device)
+    ids = torch.tensor([t for t in tokens if 0 <= t < vocab], dtype=torch.long, device=device)
+    keep[ids] = True
+    return keep
+
+
+def _bias_tensors(pairs: list[tuple[int, float]], vocab: int, device) -> tuple[Tensor, Tensor]:
+    kept = [(t, b) for t, b in pairs if 0 <= t < vocab]
+    return (torch.tensor([t for t, _ in kept], dtype=torch.long, device=device),
+            torch.tensor([b for _, b in kept], dtype=torch.float32, device=device))
+
+
 def _flat(pairs: list[tuple[int, int]], vocab: int, device) -> tuple[Tensor, Tensor]:
     kept = [(r, t) for r, t in pairs if 0 <= t < vocab]
     rows = torch.tensor([r for r, _ in kept], dtype=torch.long, device=device)
@@ -84,9 +127,8 @@ def apply_processors(logits: Tensor, params: Sequence[SeqSampling], output_indic
 
     allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
     if allowed:
-        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=device)
-        r, t = _flat([(j, tok) for j, i in enumerate(allowed) for tok in params[i].allowed_token_ids], vocab, device)
-        keep[r, t] = True
+        keep = torch.stack([_derived.get("allowed", params[i].allowed_token_ids, vocab, device, _allowed_mask)
+                            for i in allowed])
         rows = torch.tensor(allowed, device=device)
         logits[rows] = logits[rows].masked_fill(~keep, ninf)
 
@@ -102,10 +144,12 @@ def apply_processors(logits: Tensor, params: Sequence[SeqSampling], output_indic
         r, t = _flat(banned, vocab, device)
         logits[r, t] = ninf
 
-    biased = [(i, tok, b) for i, p in enumerate(params) for tok, b in p.logit_bias if 0 <= tok < vocab]
+    biased = [(i, _derived.get("bias", p.logit_bias, vocab, device, _bias_tensors))
+              for i, p in enumerate(params) if p.logit_bias]
     if biased:
-        r, t = _flat([(i, tok) for i, tok, _ in biased], vocab, device)
-        bias = torch.tensor([b for _, _, b in biased], dtype=logits.dtype, device=device)
+        r = torch.cat([torch.full((len(t),), i, dtype=torch.long, device=device) for i, (t, _) in biased])
+        t = torch.cat([t for _, (t, _) in biased])
+        bias = torch.cat([b for _, (_, b) in biased]).to(logits.dtype)
         logits.index_put_((r, t), bias, accumulate=True)
 
     penalized = [i for i, p in enumerate(params) if p.needs_history]
