@@ -49,10 +49,21 @@ def _served(n: int) -> Callable[[int, dict], str | None]:
     return check
 
 
-def deep_schema(depth: int, key: str = "oneOf") -> dict:
+def deep_schema(depth: int) -> dict:
+    """A chain of nested objects, depth levels deep (its text grows linearly)."""
     schema: dict = {"type": "string"}
     for i in range(depth):
-        schema = {key: [schema, {"type": "object", "properties": {f"k{i}": schema}}]}
+        schema = {"type": "object", "properties": {f"k{i}": schema}}
+    return schema
+
+
+def exploding_schema(depth: int) -> dict:
+    """Nested oneOf whose compiled grammar multiplies with each level (16 MB at depth 6 on
+    SmolLM2's vocabulary) while its text stays small: each level names the one below twice."""
+    schema: dict = {"type": "string"}
+    for i in range(depth):
+        schema = {"oneOf": [{"type": "object", "properties": {f"a{i}": schema, "b": {"type": "integer"}},
+                             "required": [f"a{i}"]}, {"type": "array", "items": schema}]}
     return schema
 
 
@@ -107,7 +118,7 @@ def attacks() -> list[Attack]:
         # under the depth limit, but its compiled grammar explodes: the grammar pool's size limit
         Attack("oneof_grammar_too_big", "/v1/chat/completions",
                {**chat, "response_format": {"type": "json_schema",
-                                            "json_schema": {"name": "x", "schema": deep_schema(6)}}},
+                                            "json_schema": {"name": "x", "schema": exploding_schema(6)}}},
                four_hundred, check=_error_names("grammar")),
         # seconds of compile in a worker process, never on a loop: served or refused by its time limit
         Attack("slow_schema", "/v1/chat/completions",
