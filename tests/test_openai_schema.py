@@ -6,17 +6,12 @@ import json
 
 import pytest
 
-from services.gateway.openai_schema import (
-    DEFAULT_COMPLETION_MAX_TOKENS,
-    MAX_STOP_STRINGS,
-    ApiError,
-    ResponseBuilder,
-    new_request_id,
-    parse_chat,
-    parse_completion,
-    parse_json,
-    usage,
-)
+from services.gateway.openai.chat import parse_chat
+from services.gateway.openai.completions import parse_completion
+from services.gateway.openai.errors import ApiError
+from services.gateway.openai.fields import DEFAULT_COMPLETION_MAX_TOKENS, MAX_STOP_STRINGS
+from services.gateway.openai.request import parse_json
+from services.gateway.openai.responses import ResponseBuilder, new_request_id, usage
 from shared.messages import ChatMessage, SamplingParams
 
 NAMES = {"SmolLM2-135M-Instruct", "smollm2"}

@@ -1,6 +1,6 @@
 """The OpenAPI 3.0 description of the gateway's HTTP API, served at /openapi.json.
 
-It states what `openai_schema` accepts (types, ranges, sizes) and every status a route
+It states what the parsers of this package accept (types, ranges, sizes) and every status a route
 can answer, so a fuzzer (schemathesis, in the tests) can check the server against it:
 schema-valid bodies must not cause a 5xx, invalid ones must get documented 4xx errors.
 """
@@ -8,7 +8,7 @@ schema-valid bodies must not cause a 5xx, invalid ones must get documented 4xx e
 from __future__ import annotations
 
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
-from services.gateway.openai_schema import (
+from services.gateway.openai.fields import (
     CHAT_ROLES,
     MAX_CACHE_SALT_CHARS,
     MAX_LENGTH_PENALTY,
