@@ -9,7 +9,7 @@ import msgspec
 
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai.errors import ApiError, type_name, wrong_type
-from services.gateway.openai.fields import CHAT_FIELDS, CHAT_ROLES
+from services.gateway.openai.fields import CHAT, CHAT_ROLES
 from services.gateway.openai.readers import boolean
 from services.gateway.openai.request import ParsedRequest, check_common
 from services.gateway.openai.sampling import (
@@ -32,7 +32,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 
 
 def parse_chat(body: dict, model_names: set[str], limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
-    check_common(body, model_names, CHAT_FIELDS, limits)
+    check_common(body, model_names, CHAT, limits)
     messages = parse_messages(body)
     # default: the rest of the context, which the tokenizer stage works out (None)
     if body.get("max_completion_tokens") is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai.errors import ApiError, wrong_type
-from services.gateway.openai.fields import COMPLETION_FIELDS, DEFAULT_COMPLETION_MAX_TOKENS
+from services.gateway.openai.fields import COMPLETION, DEFAULT_COMPLETION_MAX_TOKENS
 from services.gateway.openai.readers import boolean, is_token_id
 from services.gateway.openai.request import ParsedRequest, check_common
 from services.gateway.openai.sampling import (
@@ -19,7 +19,7 @@ from services.gateway.openai.sampling import (
 
 
 def parse_completion(body: dict, model_names: set[str], limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
-    check_common(body, model_names, COMPLETION_FIELDS, limits)
+    check_common(body, model_names, COMPLETION, limits)
     prompts = _prompts(body, limits)
     (prompt, prompt_ids), batch = prompts[0], (prompts if len(prompts) > 1 else None)
     echo = boolean(body, "echo", False)

@@ -1,24 +1,14 @@
 """The OpenAPI 3.0 description of the gateway's HTTP API, served at /openapi.json.
 
-It states what the parsers of this package accept (types, ranges, sizes) and every status a route
-can answer, so a fuzzer (schemathesis, in the tests) can check the server against it:
+Each request body is the one fields.py declares (the parsers hold the same types, ranges and
+sizes); with every status a route can answer, so a fuzzer (schemathesis, in the tests) can check the server against it:
 schema-valid bodies must not cause a 5xx, invalid ones must get documented 4xx errors.
 """
 
 from __future__ import annotations
 
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
-from services.gateway.openai.fields import (
-    CHAT_ROLES,
-    MAX_CACHE_SALT_CHARS,
-    MAX_LENGTH_PENALTY,
-    MAX_LOGIT_BIAS,
-    MAX_PENALTY,
-    MAX_REPETITION_PENALTY,
-    MAX_TEMPERATURE,
-)
-
-_INT64_MAX = 2**63 - 1
+from services.gateway.openai.fields import CHAT, COMPLETION, DETOKENIZE, TOKENIZE, request_schema
 
 
 def _nullable(schema: dict) -> dict:
@@ -47,126 +37,9 @@ _GENERATION_ERRORS = {
 
 
 
-def _stop(lim: RequestLimits) -> dict:
-    return {"oneOf": [
-        {"type": "string", "minLength": 1, "maxLength": lim.max_stop_chars},
-        {"type": "array", "maxItems": lim.max_stop,
-         "items": {"type": "string", "minLength": 1, "maxLength": lim.max_stop_chars}},
-    ], "nullable": True}
-
-
-_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": _INT64_MAX}}
-
-
-def _sampling(model_names: list[str], lim: RequestLimits) -> dict:
-    return {
-        "model": _nullable({"type": "string", "enum": model_names}),
-        "max_tokens": _nullable({"type": "integer", "minimum": 0, "maximum": _INT64_MAX,
-                                 "description": "0 only with echo (prompt scoring)"}),
-        "n_predict": _nullable({"type": "integer", "minimum": -1, "maximum": _INT64_MAX,
-                                "description": "llama.cpp's max_tokens; -1: the rest of the context"}),
-        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE}),
-        "top_p": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1}),
-        "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": _INT64_MAX}),
-        "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": _INT64_MAX}),
-        "n": _nullable({"type": "integer", "minimum": 1, "maximum": lim.max_n}),
-        "use_beam_search": _nullable({"type": "boolean"}),
-        "beam_width": _nullable({"type": "integer", "minimum": 1, "maximum": lim.max_n}),
-        "length_penalty": _nullable({"type": "number", "minimum": -MAX_LENGTH_PENALTY,
-                                     "maximum": MAX_LENGTH_PENALTY}),
-        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
-        "presence_penalty": _nullable({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}),
-        "frequency_penalty": _nullable({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}),
-        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0,
-                                         "maximum": MAX_REPETITION_PENALTY}),
-        "logit_bias": _nullable({"type": "object", "maxProperties": lim.max_logit_bias,
-                                 "description": "token id (as a string) -> bias added to its logit",
-                                 "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
-                                                          "maximum": MAX_LOGIT_BIAS}}),
-        "min_tokens": _nullable({"type": "integer", "minimum": 0, "maximum": _INT64_MAX,
-                                 "description": "at most max_tokens; EOS and stop_token_ids are masked until then"}),
-        "allowed_token_ids": _nullable({"type": "array", "minItems": 1, "maxItems": lim.max_allowed_token_ids,
-                                        "items": {"type": "integer", "minimum": 0, "maximum": _INT64_MAX}}),
-        "stop": _stop(lim),
-        "stop_token_ids": _nullable({"type": "array", "maxItems": lim.max_stop_token_ids,
-                                     "items": {"type": "integer", "minimum": 0, "maximum": _INT64_MAX}}),
-        "ignore_eos": _nullable({"type": "boolean"}),
-        "include_stop_str_in_output": _nullable({"type": "boolean"}),
-        "return_token_ids": _nullable({"type": "boolean"}),
-        "response_format": _nullable({"type": "object", "required": ["type"], "properties": {
-            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
-            "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
-                                                             "strict": _nullable({"type": "boolean"})}}}}),
-        "guided_json": _nullable({"oneOf": [{"type": "object"}, {"type": "string"}]}),
-        "guided_regex": _nullable({"type": "string"}),
-        "guided_choice": _nullable({"type": "array", "items": {"type": "string"}}),
-        "guided_grammar": _nullable({"type": "string"}),
-        "json_schema": _nullable({"type": "object", "description": "llama.cpp's: the output's JSON schema"}),
-        "structured_outputs": _nullable({"type": "object", "description": "vLLM's: one of json, regex, choice, "
-                                         "grammar (xgrammar EBNF), json_object", "properties": {
-            "json": {"oneOf": [{"type": "object"}, {"type": "string"}]}, "regex": {"type": "string"},
-            "choice": {"type": "array", "items": {"type": "string"}}, "grammar": {"type": "string"},
-            "json_object": {"type": "boolean"}}}),
-        "skip_special_tokens": _nullable({"type": "boolean"}),
-        "bad_words": _nullable({"type": "array", "maxItems": lim.max_bad_words, "items": {
-            "type": "string", "minLength": 1, "maxLength": lim.max_bad_words_chars, "pattern": "\\S"}}),
-        "spaces_between_special_tokens": _nullable({"type": "boolean"}),
-        "add_special_tokens": _nullable({"type": "boolean"}),
-        "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": lim.max_logprobs,
-                                      "description": "vLLM's: each prompt token's logprob and this many top ones"}),
-        "stream": _nullable({"type": "boolean"}),
-        "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
-        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS,
-                                 "description": "vLLM's: requests with different salts share no cached KV"}),
-        "user": {"type": "string"},
-    }
-
-
-def _completion_request(model_names: list[str], lim: RequestLimits) -> dict:
-    one = [{"type": "string", "minLength": 1}, _TOKEN_IDS]
-    batch = {"type": "array", "minItems": 1, "maxItems": lim.max_prompts, "items": {"oneOf": one},
-             "description": "a batch: choice index = prompt * n + sample"}
-    prompt = {"oneOf": [*one, batch]}
-    return {"type": "object", "required": ["prompt"],
-            "properties": {"prompt": prompt, **_sampling(model_names, lim),
-                           "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": lim.max_logprobs}),
-                           "echo": _nullable({"type": "boolean", "description": "with max_tokens 0: the prompt "
-                                                                                "alone, scored"})}}
-
-
-_CHAT_OPTIONS = {
-    "add_generation_prompt": _nullable({"type": "boolean"}),
-    "continue_final_message": _nullable({"type": "boolean", "description": "needs add_generation_prompt false"}),
-    "chat_template_kwargs": _nullable({"type": "object", "description": "variables for the chat template"}),
-}
-
-
-def _chat_message() -> dict:
-    part = {"type": "object", "required": ["type", "text"],
-            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
-    return {"type": "object", "required": ["role"], "properties": {
-        "role": {"type": "string", "enum": list(CHAT_ROLES)},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}], "nullable": True},
-        "name": {"type": "string"},
-        "tool_call_id": {"type": "string"},
-        "tool_calls": {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {
-            "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
-            "function": {"type": "object", "required": ["name"], "properties": {
-                "name": {"type": "string"}, "arguments": {"type": "string"}}}}}},
-    }}
-
-
-def _tokenize_paths(model_names: list[str]) -> dict:
-    model = _nullable({"type": "string", "enum": model_names})
+def _tokenize_paths(model_names: list[str], lim: RequestLimits) -> dict:
     errors = {k: _GENERATION_ERRORS[k] for k in ("400", "401", "404", "413", "415", "503")}
-    tokenize = {"type": "object", "properties": {
-        "model": model, "prompt": {"type": "string"}, "messages": {"type": "array", "minItems": 1,
-                                                                   "items": _chat_message()},
-        "add_special_tokens": _nullable({"type": "boolean"}), "return_token_strs": _nullable({"type": "boolean"}),
-        **_CHAT_OPTIONS}}
-    detokenize = {"type": "object", "required": ["tokens"], "properties": {
-        "model": model, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0,
-                                                             "maximum": _INT64_MAX}}}}
+    tokenize, detokenize = (request_schema(e, lim, model_names) for e in (TOKENIZE, DETOKENIZE))
 
     def post(summary: str, schema: dict, answer: dict) -> dict:
         return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
@@ -186,30 +59,6 @@ def _tokenize_paths(model_names: list[str]) -> dict:
                 "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}},
             "401": _GENERATION_ERRORS["401"]}}},
     }
-
-
-def _chat_request(model_names: list[str], lim: RequestLimits) -> dict:
-    message = _chat_message()
-    return {"type": "object", "required": ["messages"], "properties": {
-        "messages": {"type": "array", "minItems": 1, "items": message},
-        "logprobs": _nullable({"type": "boolean"}),
-        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": lim.max_logprobs}),
-        **_CHAT_OPTIONS,
-        "tools": _nullable({"type": "array", "maxItems": lim.max_tools, "items": {
-            "type": "object", "required": ["type", "function"], "properties": {
-                "type": {"type": "string", "enum": ["function"]},
-                "function": {"type": "object", "required": ["name"], "properties": {
-                    "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
-                    "parameters": {"type": "object"}}}}}}),
-        "tool_choice": _nullable({"oneOf": [
-            {"type": "string", "enum": ["none", "auto", "required"]},
-            {"type": "object", "required": ["type", "function"], "properties": {
-                "type": {"type": "string", "enum": ["function"]},
-                "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}),
-        "parallel_tool_calls": _nullable({"type": "boolean"}),
-        "max_completion_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": _INT64_MAX}),
-        **_sampling(model_names, lim),
-    }}
 
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
@@ -276,9 +125,11 @@ def openapi_spec(model_names: list[str], secured: bool, metrics_public: bool = F
         "info": {"title": "pagedserve", "version": "0.1.0",
                  "description": "OpenAI-compatible completions and chat completions over PagedAttention."},
         "paths": {
-            "/v1/completions": _generation("Complete a prompt", _completion_request(model_names, lim), "Completion"),
-            "/v1/chat/completions": _generation("Answer a chat", _chat_request(model_names, lim), "ChatCompletion"),
-            **_tokenize_paths(model_names),
+            "/v1/completions": _generation("Complete a prompt", request_schema(COMPLETION, lim, model_names),
+                                           "Completion"),
+            "/v1/chat/completions": _generation("Answer a chat", request_schema(CHAT, lim, model_names),
+                                                "ChatCompletion"),
+            **_tokenize_paths(model_names, lim),
             "/v1/models": {"get": {"summary": "The served model", "responses": {
                 "200": {"description": "Models", "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/ModelList"}}}},

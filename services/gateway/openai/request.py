@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from services.gateway.limits import RequestLimits
 from services.gateway.openai.errors import ApiError, wrong_type
 from services.gateway.openai.field_policy import unsupported_field
+from services.gateway.openai.fields import bounds
 from services.gateway.openai.readers import integer
 from services.gateway.openai.tools import ToolMode
 from shared.messages import ChatMessage, ChatOptions, GenerateRequest, SamplingParams
@@ -69,9 +70,9 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def check_common(body: dict, model_names: set[str], known: set[str], limits: RequestLimits) -> None:
+def check_common(body: dict, model_names: set[str], endpoint: str, limits: RequestLimits) -> None:
     check_model(body, model_names)
-    _check_fields(body, known, limits)
+    _check_fields(body, endpoint, limits)
 
 
 def check_model(body: dict, model_names: set[str]) -> None:
@@ -87,11 +88,11 @@ def check_model(body: dict, model_names: set[str]) -> None:
             )
 
 
-def _check_fields(body: dict, known: set[str], limits: RequestLimits) -> None:
-    n = integer(body, "n", 1)
-    if not 1 <= n <= limits.max_n:
-        raise ApiError(f"'n' must be between 1 and {limits.max_n}, got {n}.", param="n")
-    refused = unsupported_field(body, known)
+def _check_fields(body: dict, endpoint: str, limits: RequestLimits) -> None:
+    n, (low, high) = integer(body, "n", 1), bounds("n", limits)
+    if not low <= n <= high:
+        raise ApiError(f"'n' must be between {low} and {high}, got {n}.", param="n")
+    refused = unsupported_field(body, endpoint)
     if refused is not None:
         raise ApiError(f"'{refused}' is not supported by this server: it would change the answer, so it is "
                        f"refused rather than ignored.", param=refused)

@@ -7,14 +7,7 @@ import msgspec
 
 from services.gateway.limits import RequestLimits
 from services.gateway.openai.errors import ApiError, wrong_type
-from services.gateway.openai.fields import (
-    MAX_CACHE_SALT_CHARS,
-    MAX_LENGTH_PENALTY,
-    MAX_LOGIT_BIAS,
-    MAX_PENALTY,
-    MAX_REPETITION_PENALTY,
-    MAX_TEMPERATURE,
-)
+from services.gateway.openai.fields import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, bounds
 from services.gateway.openai.readers import boolean, integer, number, token_id_list
 from services.gateway.openai.structured import output_constraint
 from shared.messages import SamplingParams
@@ -34,24 +27,24 @@ def read_max_tokens(body: dict, name: str, default: int | None) -> int | None:
 
 
 def sampling_params(body: dict, max_tokens: int, limits: RequestLimits) -> SamplingParams:
-    temperature = number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
-    top_p = number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise ApiError(f"'top_p' must be in (0, 1], got {top_p}.", param="top_p")
+    temperature = number(body, "temperature", 1.0, *bounds("temperature"))
+    top_p, (low, high) = number(body, "top_p", 1.0), bounds("top_p")
+    if not low < top_p <= high:
+        raise ApiError(f"'top_p' must be in ({low}, {high}], got {top_p}.", param="top_p")
     top_k = integer(body, "top_k", 0)
-    if top_k < -1:
+    if top_k < bounds("top_k")[0]:
         raise ApiError(f"'top_k' must be -1 or 0 (no cut) or positive, got {top_k}.", param="top_k")
     n = integer(body, "n", 1)
     beam = boolean(body, "use_beam_search", False)
     beam_width = integer(body, "beam_width", max(n, 4) if beam else 4)
-    if beam and not n <= beam_width <= limits.max_n:
+    if beam and not n <= beam_width <= bounds("beam_width", limits)[1]:
         raise ApiError(f"'beam_width' must be between n ({n}) and {limits.max_n}, got {beam_width}.",
                        param="beam_width")
     return SamplingParams(
         n=n,
         use_beam_search=beam,
         beam_width=beam_width,
-        length_penalty=number(body, "length_penalty", 1.0, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY),
+        length_penalty=number(body, "length_penalty", 1.0, *bounds("length_penalty")),
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -61,9 +54,9 @@ def sampling_params(body: dict, max_tokens: int, limits: RequestLimits) -> Sampl
         stop_token_ids=token_id_list(body, "stop_token_ids", limits.max_stop_token_ids),
         ignore_eos=boolean(body, "ignore_eos", False),
         include_stop_str_in_output=boolean(body, "include_stop_str_in_output", False),
-        min_p=number(body, "min_p", 0.0, 0.0, 1.0),
-        presence_penalty=number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
-        frequency_penalty=number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        min_p=number(body, "min_p", 0.0, *bounds("min_p")),
+        presence_penalty=number(body, "presence_penalty", 0.0, *bounds("presence_penalty")),
+        frequency_penalty=number(body, "frequency_penalty", 0.0, *bounds("frequency_penalty")),
         repetition_penalty=_repetition_penalty(body),
         logit_bias=_logit_bias(body, limits),
         min_tokens=_min_tokens(body, max_tokens),
@@ -99,7 +92,7 @@ def _bad_words(body: dict, limits: RequestLimits) -> list[str]:
 
 
 def _repetition_penalty(body: dict) -> float:
-    value = number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY)
+    value = number(body, "repetition_penalty", 1.0, *bounds("repetition_penalty"))
     if value <= 0:
         raise ApiError("'repetition_penalty' must be above 0 (1 = none).", param="repetition_penalty")
     return value
@@ -131,8 +124,9 @@ def _min_tokens(body: dict, max_tokens: int | None) -> int:
 
 def logprob_count(body: dict, name: str, limits: RequestLimits) -> int | None:
     value = integer(body, name, None)
-    if value is not None and not 0 <= value <= limits.max_logprobs:
-        raise ApiError(f"'{name}' must be between 0 and {limits.max_logprobs}, got {value}.", param=name)
+    low, high = bounds(name, limits)
+    if value is not None and not low <= value <= high:
+        raise ApiError(f"'{name}' must be between {low} and {high}, got {value}.", param=name)
     return value
 
 
