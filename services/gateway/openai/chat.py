@@ -11,15 +11,8 @@ from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai.errors import ApiError, type_name, wrong_type
 from services.gateway.openai.fields import CHAT, CHAT_ROLES
 from services.gateway.openai.readers import boolean
-from services.gateway.openai.request import ParsedRequest, check_common
-from services.gateway.openai.sampling import (
-    check_work,
-    logprob_count,
-    read_max_tokens,
-    sampling_params,
-    stream_flags,
-    with_logprobs,
-)
+from services.gateway.openai.request import ParsedRequest, check_common, stream_flags
+from services.gateway.openai.sampling import check_work, generation_params, logprob_count, read_max_tokens
 from services.gateway.openai.tools import ToolError, parse_tools
 from shared.messages import ChatMessage, ChatOptions, ToolCall
 
@@ -44,8 +37,8 @@ def parse_chat(body: dict, model_names: set[str], limits: RequestLimits = DEFAUL
     top = logprob_count(body, "top_logprobs", limits)
     if top is not None and not wants and top > 0:
         raise ApiError("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
-    params = with_logprobs(body, sampling_params(body, max_tokens, limits), (top or 0) if wants else None,
-                            logprob_count(body, "prompt_logprobs", limits), False, limits)
+    params = generation_params(body, max_tokens, (top or 0) if wants else None,
+                               logprob_count(body, "prompt_logprobs", limits), False, limits)
     check_work(params, [sum(len(m.content) for m in messages)], limits, "prompt_logprobs")
     try:
         tool_defs, tool_mode, tool_constraint = parse_tools(body, limits)

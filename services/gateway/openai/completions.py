@@ -7,15 +7,8 @@ from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai.errors import ApiError, wrong_type
 from services.gateway.openai.fields import COMPLETION, DEFAULT_COMPLETION_MAX_TOKENS
 from services.gateway.openai.readers import boolean, is_token_id
-from services.gateway.openai.request import ParsedRequest, check_common
-from services.gateway.openai.sampling import (
-    check_work,
-    logprob_count,
-    read_max_tokens,
-    sampling_params,
-    stream_flags,
-    with_logprobs,
-)
+from services.gateway.openai.request import ParsedRequest, check_common, stream_flags
+from services.gateway.openai.sampling import check_work, generation_params, logprob_count, read_max_tokens
 
 
 def parse_completion(body: dict, model_names: set[str], limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
@@ -31,7 +24,7 @@ def parse_completion(body: dict, model_names: set[str], limits: RequestLimits = 
     prompt_logprobs = logprob_count(body, "prompt_logprobs", limits)
     if echo and logprobs is not None:  # the echoed prompt's tokens come with their logprobs
         prompt_logprobs = max(prompt_logprobs or 0, logprobs)
-    params = with_logprobs(body, sampling_params(body, max_tokens, limits), logprobs, prompt_logprobs, echo, limits)
+    params = generation_params(body, max_tokens, logprobs, prompt_logprobs, echo, limits)
     check_work(params, [len(text if ids is None else ids) for text, ids in prompts], limits,
                 "logprobs" if echo and logprobs is not None else "prompt_logprobs")
     return ParsedRequest(

@@ -61,5 +61,17 @@ def token_id_list(body: dict, name: str, limit: int, allow_empty: bool = True) -
     return ids
 
 
+def string_list(body: dict, name: str, expected: str, blank: bool = True) -> list[str]:
+    """A string or an array of strings (not blank ones unless blank), as a list; [] for null."""
+    value = body.get(name)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and (blank or s.strip()) for s in value):
+        raise wrong_type(name, expected, value)
+    return value
+
+
 def is_token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < INT64

@@ -1,5 +1,6 @@
 """What every OpenAI body goes through: JSON that is an object of valid Unicode, a served model
-(404 otherwise), `n` in range, the field policy; and the ParsedRequest the endpoints build."""
+(404 otherwise), `n` in range, the field policy, `stream` and `stream_options`; and the
+ParsedRequest the endpoints build."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from services.gateway.limits import RequestLimits
 from services.gateway.openai.errors import ApiError, wrong_type
 from services.gateway.openai.field_policy import unsupported_field
 from services.gateway.openai.fields import bounds
-from services.gateway.openai.readers import integer
+from services.gateway.openai.readers import boolean, integer
 from services.gateway.openai.tools import ToolMode
 from shared.messages import ChatMessage, ChatOptions, GenerateRequest, SamplingParams
 
@@ -101,3 +102,15 @@ def _check_fields(body: dict, endpoint: str, limits: RequestLimits) -> None:
 def public_model_names(model_names) -> list[str]:
     """The names a client may be shown: a model given as a file path is the server's business."""
     return sorted(n for n in model_names if not os.path.isabs(n))
+
+
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = boolean(body, "stream", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise wrong_type("stream_options", "an object", options)
+    if not stream:
+        raise ApiError("'stream_options' can only be set when 'stream' is true.", param="stream_options")
+    return stream, boolean(options, "include_usage", True)  # as vLLM: options given mean usage wanted

@@ -8,7 +8,7 @@ import msgspec
 from services.gateway.limits import RequestLimits
 from services.gateway.openai.errors import ApiError, wrong_type
 from services.gateway.openai.fields import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, bounds
-from services.gateway.openai.readers import boolean, integer, number, token_id_list
+from services.gateway.openai.readers import boolean, integer, number, string_list, token_id_list
 from services.gateway.openai.structured import output_constraint
 from shared.messages import SamplingParams
 
@@ -26,7 +26,7 @@ def read_max_tokens(body: dict, name: str, default: int | None) -> int | None:
     return value
 
 
-def sampling_params(body: dict, max_tokens: int, limits: RequestLimits) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int, limits: RequestLimits) -> SamplingParams:
     temperature = number(body, "temperature", 1.0, *bounds("temperature"))
     top_p, (low, high) = number(body, "top_p", 1.0), bounds("top_p")
     if not low < top_p <= high:
@@ -78,13 +78,7 @@ def _cache_salt(body: dict) -> str | None:
 
 
 def _bad_words(body: dict, limits: RequestLimits) -> list[str]:
-    words = body.get("bad_words")
-    if words is None:
-        return []
-    if isinstance(words, str):
-        words = [words]
-    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
-        raise wrong_type("bad_words", "an array of non-empty strings", words)
+    words = string_list(body, "bad_words", "an array of non-empty strings", blank=False)
     if len(words) > limits.max_bad_words or sum(map(len, words)) > limits.max_bad_words_chars:
         raise ApiError(f"At most {limits.max_bad_words} bad_words of {limits.max_bad_words_chars} characters "
                        f"together.", param="bad_words")
@@ -130,8 +124,11 @@ def logprob_count(body: dict, name: str, limits: RequestLimits) -> int | None:
     return value
 
 
-def with_logprobs(body: dict, params: SamplingParams, logprobs: int | None, prompt_logprobs: int | None,
-                   echo: bool, limits: RequestLimits) -> SamplingParams:
+def generation_params(body: dict, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                      echo: bool, limits: RequestLimits) -> SamplingParams:
+    """The request's SamplingParams: its sampling fields, then logprobs and the output constraint
+    (neither with beam search; no constraint with ignore_eos)."""
+    params = _sampling(body, max_tokens, limits)
     if params.use_beam_search and (logprobs is not None or prompt_logprobs is not None):
         name = "logprobs" if logprobs is not None else "prompt_logprobs"
         raise ApiError(f"'{name}' cannot be combined with beam search.", param=name)
@@ -145,26 +142,8 @@ def with_logprobs(body: dict, params: SamplingParams, logprobs: int | None, prom
         spaces_between_special_tokens=boolean(body, "spaces_between_special_tokens", True))
 
 
-def stream_flags(body: dict) -> tuple[bool, bool]:
-    stream = boolean(body, "stream", False)
-    options = body.get("stream_options")
-    if options is None:
-        return stream, False
-    if not isinstance(options, dict):
-        raise wrong_type("stream_options", "an object", options)
-    if not stream:
-        raise ApiError("'stream_options' can only be set when 'stream' is true.", param="stream_options")
-    return stream, boolean(options, "include_usage", True)  # as vLLM: options given mean usage wanted
-
-
 def _stop(body: dict, limits: RequestLimits) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise wrong_type("stop", "a string or an array of strings", stop)
+    stop = string_list(body, "stop", "a string or an array of strings")
     if len(stop) > limits.max_stop:
         raise ApiError(f"Too many stop strings: {len(stop)}, at most {limits.max_stop}.", param="stop")
     for s in stop:
