@@ -111,6 +111,37 @@ def test_the_parsers_accept_the_declared_bounds(endpoint):
             _parse(endpoint, name, value)
 
 
+def _sized(schema: dict):
+    """The size bounds of a field's schema, its own or those of its oneOf shapes: (key, bound)."""
+    for shape in [schema, *schema.get("oneOf", ())]:
+        for key in ("maxItems", "maxProperties", "maxLength"):
+            if key in shape:
+                yield key, shape[key]
+
+
+# one valid element of each size-bounded field, to build a value one past its bound
+ELEMENT = {
+    "prompt": lambda i: "a", "stop": lambda i: "a", "bad_words": lambda i: "a", "cache_salt": lambda i: "x",
+    "stop_token_ids": lambda i: i, "allowed_token_ids": lambda i: i, "logit_bias": lambda i: (str(i), 1.0),
+    "tools": lambda i: {"type": "function", "function": {"name": f"f{i}"}},
+}
+
+
+@pytest.mark.parametrize("endpoint", sorted(GENERATION))
+def test_the_parsers_refuse_what_is_past_a_declared_size(endpoint):
+    """Every size bound a field declares (maxItems, maxProperties, maxLength) is one the parser holds:
+    one past it is a 400 naming the field, at it is accepted."""
+    for f in fields_of(endpoint):
+        for key, bound in _sized(f.resolved(LIMITS)):
+            assert f.name in ELEMENT, f"add an element of {f.name} to ELEMENT"
+            items = [ELEMENT[f.name](i) for i in range(bound + 1)]
+            value = dict(items) if key == "maxProperties" else "".join(items) if key == "maxLength" else items
+            with pytest.raises(ApiError) as info:
+                _parse(endpoint, f.name, value)
+            assert info.value.status == 400 and info.value.param == f.name, (f.name, key, info.value.message)
+            _parse(endpoint, f.name, value[:-1] if key != "maxProperties" else dict(items[:-1]))
+
+
 @pytest.mark.parametrize(("endpoint", "name", "value"), [
     (COMPLETION, "tools", [{"type": "function", "function": {"name": "f"}}]),
     (COMPLETION, "tool_choice", "required"),

@@ -2,12 +2,14 @@
 the endpoints that read it, and what happens when it is sent to a generation endpoint that does not.
 
 From this one table:
-- the parsers take their bounds (`bounds`, `limit_of`): a value outside them is a 400 naming it;
+- the parsers take their numeric ranges (`bounds`) and their size bounds (the same RequestLimits
+  fields): a value outside them is a 400 naming it;
 - the field policy (field_policy.py) knows which fields an endpoint reads (`known_fields`) and
   which other ones it refuses (`refused_elsewhere`) or ignores (`ignored_elsewhere`);
 - /openapi.json (openapi.py) states each endpoint's body (`request_schema`).
 A bound that is a gateway flag is written `Limit("max_n")`: the value of that field of the
-RequestLimits the gateway runs with (services/gateway/limits.py).
+RequestLimits the gateway runs with (services/gateway/limits.py); `MODEL_NAMES` stands for the
+names the gateway serves.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class Limit:
     name: str
 
 
+MODEL_NAMES = Limit("model_names")
+
+
 @dataclass(frozen=True)
 class Field:
     name: str
@@ -57,7 +62,7 @@ class Field:
 
 def _resolve(schema, limits: RequestLimits, model_names: list[str]):
     if isinstance(schema, Limit):
-        return model_names if schema.name == "model_names" else getattr(limits, schema.name)
+        return model_names if schema == MODEL_NAMES else getattr(limits, schema.name)
     if isinstance(schema, dict):
         return {k: _resolve(v, limits, model_names) for k, v in schema.items()}
     if isinstance(schema, list):
@@ -104,7 +109,7 @@ _NAMED_TOOL = {"type": "object", "required": ["type", "function"], "properties":
 _GEN, _C, _CH = GENERATION, frozenset({COMPLETION}), frozenset({CHAT})
 _TEMPLATED = frozenset({CHAT, TOKENIZE})  # chat messages rendered by the template
 FIELDS: tuple[Field, ...] = (
-    Field("model", {"type": "string", "enum": Limit("model_names")}, _GEN | {TOKENIZE, DETOKENIZE}),
+    Field("model", {"type": "string", "enum": MODEL_NAMES}, _GEN | {TOKENIZE, DETOKENIZE}),
     # /v1/completions
     Field("prompt", {"oneOf": [*_PROMPT, {"type": "array", "minItems": 1, "maxItems": Limit("max_prompts"),
                                           "items": {"oneOf": _PROMPT},
