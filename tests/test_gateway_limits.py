@@ -13,12 +13,15 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from services.gateway.field_policy import HARMLESS
 from services.gateway.host_check import HostCheck, host_name
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits, limits_from_args, nesting_depth
-from services.gateway.openai_schema import ApiError, ResponseBuilder, parse_chat, parse_completion
+from services.gateway.openai.chat import parse_chat
+from services.gateway.openai.completions import parse_completion
+from services.gateway.openai.errors import ApiError
+from services.gateway.openai.field_policy import HARMLESS
+from services.gateway.openai.responses import ResponseBuilder
+from services.gateway.openai.tools import ToolMode, extract_calls, split_calls
 from services.gateway.options import add_exposure_args
-from services.gateway.tools import ToolMode, extract_calls, split_calls
 from shared.messages import SamplingParams
 
 MODELS = {"m"}
@@ -259,7 +262,7 @@ def test_the_gateway_options_declare_allowed_hosts():
 
 
 def test_the_openapi_description_states_the_limits_served():
-    from services.gateway.openapi import openapi_spec
+    from services.gateway.openai.openapi import openapi_spec
 
     spec = openapi_spec(["m"], secured=False, lim=RequestLimits(max_n=3, max_tools=5, max_logprobs=7))
     chat = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]

@@ -7,8 +7,10 @@ import logging
 
 import pytest
 
-from services.gateway import field_policy
-from services.gateway.openai_schema import ApiError, parse_chat, parse_completion
+from services.gateway.openai import field_policy
+from services.gateway.openai.chat import parse_chat
+from services.gateway.openai.completions import parse_completion
+from services.gateway.openai.errors import ApiError
 
 NAMES = {"tiny"}
 
@@ -150,7 +152,7 @@ def test_structured_output_fields_become_one_constraint():
 
 
 def test_auto_tool_calls_are_parsed_from_hermes_syntax():
-    from services.gateway.tools import ToolMode, extract_calls
+    from services.gateway.openai.tools import ToolMode, extract_calls
 
     mode = ToolMode("auto", ("f", "g"))
     text = 'Sure.<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call><tool_call>{"name": "x"}</tool_call>'

@@ -6,17 +6,13 @@ import json
 
 import pytest
 
-from services.gateway.openai_schema import (
-    DEFAULT_COMPLETION_MAX_TOKENS,
-    MAX_STOP_STRINGS,
-    ApiError,
-    ResponseBuilder,
-    new_request_id,
-    parse_chat,
-    parse_completion,
-    parse_json,
-    usage,
-)
+from services.gateway.limits import DEFAULT_LIMITS
+from services.gateway.openai.chat import parse_chat
+from services.gateway.openai.completions import parse_completion
+from services.gateway.openai.errors import ApiError
+from services.gateway.openai.fields import DEFAULT_COMPLETION_MAX_TOKENS
+from services.gateway.openai.request import parse_json
+from services.gateway.openai.responses import ResponseBuilder, new_request_id, usage
 from shared.messages import ChatMessage, SamplingParams
 
 NAMES = {"SmolLM2-135M-Instruct", "smollm2"}
@@ -137,7 +133,7 @@ def test_unknown_model_is_404():
         ({"stop": 5}, "stop"),
         ({"stop": ["ok", 3]}, "stop"),
         ({"stop": [""]}, "stop"),
-        ({"stop": [str(i) for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+        ({"stop": [str(i) for i in range(DEFAULT_LIMITS.max_stop + 1)]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": "2"}, "stop_token_ids"),
         ({"ignore_eos": "yes"}, "ignore_eos"),

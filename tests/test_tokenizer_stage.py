@@ -198,7 +198,7 @@ def test_prompt_logprobs_go_once_for_n_samples_and_every_choice_shows_them(stage
     the request; the gateway gives them to each of its n choices, as when each delta had them."""
     import msgspec
 
-    from services.gateway.openai_schema import ResponseBuilder
+    from services.gateway.openai.responses import ResponseBuilder
     from shared.messages import TokenLogprob
 
     ids = tok.encode("Hello big wide world")

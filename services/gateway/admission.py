@@ -15,7 +15,7 @@ import os
 from aiohttp import web
 
 from services.gateway.dashboard_http import OPEN_PATHS as DASHBOARD_PAGES
-from services.gateway.openai_schema import ApiError
+from services.gateway.openai.errors import ApiError
 from services.gateway.options import API_KEY_ENV
 
 RETRY_AFTER_S = 1

@@ -34,16 +34,12 @@ from services.gateway.health import StageTracker
 from services.gateway.host_check import HostCheck
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.metrics import Metrics, RequestTimer
-from services.gateway.openai_schema import (
-    ApiError,
-    ResponseBuilder,
-    new_request_id,
-    parse_chat,
-    parse_completion,
-    parse_json,
-    public_model_names,
-)
-from services.gateway.openapi import openapi_spec
+from services.gateway.openai.chat import parse_chat
+from services.gateway.openai.completions import parse_completion
+from services.gateway.openai.errors import ApiError
+from services.gateway.openai.openapi import openapi_spec
+from services.gateway.openai.request import parse_json, public_model_names
+from services.gateway.openai.responses import ResponseBuilder, new_request_id
 from services.gateway.options import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from services.gateway.tokenize_routes import TokenizeRoutes
 from shared.messages import TextDelta

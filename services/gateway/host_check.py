@@ -20,7 +20,7 @@ import socket
 
 from aiohttp import web
 
-from services.gateway.openai_schema import ApiError
+from services.gateway.openai.errors import ApiError
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ forwards them whole (`limits_argv`). The defaults sit above what OpenAI allows (
 is OpenAI's, but 16 samples are more than any sampling client asks; top_logprobs <= 20;
 stop <= 4; logit_bias <= 300 entries; 128 tools; a schema 10 levels deep) and above what
 vLLM's own clients send, so honest clients never meet them; a request past one gets a 400
-naming the field (`param`) and the bound (openai_schema, tools).
+naming the field (`param`) and the bound (services/gateway/openai).
 
 Kept free of aiohttp: the launcher, imported by every `pagedserve` command, reads it.
 """

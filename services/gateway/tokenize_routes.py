@@ -21,7 +21,9 @@ from importlib.metadata import PackageNotFoundError, version
 from aiohttp import web
 
 from services.gateway.engine_client import EngineClient, EngineError, RequestTimeout
-from services.gateway.openai_schema import ApiError, parse_detokenize, parse_json, parse_tokenize
+from services.gateway.openai.errors import ApiError
+from services.gateway.openai.request import parse_json
+from services.gateway.openai.tokenize_bodies import parse_detokenize, parse_tokenize
 from shared.messages import TokenizeRequest
 
 CALL_TIMEOUT_S = 10.0

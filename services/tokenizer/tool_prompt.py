@@ -6,7 +6,7 @@ templates expect. A template that does not (SmolLM2's, plain ChatML) gets the He
 convention written into the messages themselves: the tools described in the system
 message, each call as `<tool_call>{"name", "arguments"}</tool_call>` in the assistant's
 text, each result as `<tool_response>` in a tool message. The gateway parses the same
-`<tool_call>` syntax back out of the answer (services/gateway/tools.py).
+`<tool_call>` syntax back out of the answer (services/gateway/openai/tools.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""The one policy for request fields pagedserve does not read itself.
+"""The one policy for request fields an endpoint does not read itself.
 
-A field the parser reads is validated there. Of the rest:
+A field the endpoint reads (declared for it in fields.py) is validated by its parser. Of the rest:
 - fields known to be harmless (they do not change the answer: `user`, `metadata`,
   `store`, ...) are accepted silently;
 - fields that would change the answer and are not implemented are refused with a 400
   naming them, unless they hold a value that means "not used" (null, false, an empty
-  list or object, or their documented neutral value);
+  list or object, or their documented neutral value): those below, and those another
+  endpoint reads that are declared refused elsewhere (`tools` on /v1/completions, `echo` on chat);
 - any other field is accepted and logged once per field name per process, so an
   operator sees what clients send without the log filling up.
 No field that changes the answer is ever silently ignored.
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import logging
 
+from services.gateway.openai.fields import GENERATION, ignored_elsewhere, known_fields, refused_elsewhere
+
 log = logging.getLogger(__name__)
 
 # Accepted and ignored: bookkeeping, routing and hints that leave the tokens unchanged.
 HARMLESS = frozenset({
-    "user", "metadata", "store", "service_tier", "request_id", "priority", "prompt_cache_key",
-    "safety_identifier", "cache_prompt", "stream", "modalities", "parallel_tool_calls", "mm_processor_kwargs",
+    "metadata", "store", "service_tier", "request_id", "priority", "prompt_cache_key",
+    "safety_identifier", "cache_prompt", "modalities", "mm_processor_kwargs",
     "kv_transfer_params", "vllm_xargs", "id_slot", "slot_id", "t_max_predict_ms",
 })
 
@@ -29,8 +32,6 @@ HARMLESS = frozenset({
 UNSUPPORTED: dict[str, tuple] = {
     "suffix": ("",),
     "best_of": (1,),
-    "tools": (),  # read by chat; on completions refused
-    "tool_choice": ("none", "auto"),
     "functions": (),
     "function_call": ("none", "auto"),
     "guided_decoding_backend": (),
@@ -60,7 +61,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "samplers": (),
     "n_keep": (),
     "logit_bias_type": (),
-    "echo": (),  # read by /v1/completions; on chat (vLLM's meaning) refused
 }
 MAX_LOGGED_NAMES = 256  # a client inventing names cannot grow the set without bound
 
@@ -80,14 +80,20 @@ def is_unused(value, neutral: tuple) -> bool:
     return any(type(value) is type(n) and value == n for n in neutral)
 
 
-def unsupported_field(body: dict, known: set[str]) -> str | None:
-    """The first field of body that would change the answer and is not implemented;
-    logs (once per name) the fields nobody knows."""
+# endpoint -> (the fields it reads, those it refuses unless unused, those it ignores)
+_POLICY = {e: (known_fields(e), {**UNSUPPORTED, **refused_elsewhere(e)}, HARMLESS | ignored_elsewhere(e))
+           for e in GENERATION}
+
+
+def unsupported_field(body: dict, endpoint: str) -> str | None:
+    """The first field of body that would change the answer and is not implemented on this
+    endpoint; logs (once per name) the fields nobody knows."""
+    known, unsupported, harmless = _POLICY[endpoint]
     for name, value in body.items():
-        if name in known or name in HARMLESS:
+        if name in known or name in harmless:
             continue
-        if name in UNSUPPORTED:
-            if not is_unused(value, UNSUPPORTED[name]):
+        if name in unsupported:
+            if not is_unused(value, unsupported[name]):
                 return name
         elif name not in _logged and len(_logged) < MAX_LOGGED_NAMES:
             _logged.add(name)
