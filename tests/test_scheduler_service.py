@@ -12,7 +12,8 @@ import time
 import pytest
 import zmq
 
-from services.scheduler.service import SchedulerService, add_args
+from services.scheduler.service import SchedulerService
+from services.stage_options import add_stage_args
 from shared import transport
 from shared.config import ADDRESS_NAMES, Addresses
 from shared.messages import (
@@ -41,7 +42,7 @@ class Stage:
         self.ctx = zmq.Context()
         self.addrs = Addresses(**{name: f"inproc://{name}" for name in ADDRESS_NAMES})
         parser = argparse.ArgumentParser()
-        add_args(parser)
+        add_stage_args(parser, "scheduler")
         self.service = SchedulerService(parser.parse_args([*self.addrs.as_argv(), *argv]), self.ctx)
         self.executor_in = PullSocket(self.ctx, self.addrs.executor_in, SchedulerToExecutor, bind=False)
         self.executor_out = PushSocket(self.ctx, self.addrs.executor_out, ExecutorToScheduler, bind=False)
