@@ -6,7 +6,9 @@ tokens come back. With async scheduling (the default) the step after is built an
 sent while the executor runs one (`Scheduler.schedule_ahead`), so it starts the next
 step as soon as it is done instead of waiting for a round trip; at most two steps
 are in flight, and results apply in the order the steps were sent. The pool's size
-comes from the executor's `ExecutorReady`; a second `ExecutorReady` from a new
+comes from the executor's `ExecutorReady`, and so do the step limits the executor was
+sized for: steps stay within them where they are below this stage's --max-num-seqs or
+--max-num-batched-tokens (`options.fit_to_executor`, with a warning); a second `ExecutorReady` from a new
 executor instance means the executor restarted and lost the KV cache, so every
 running request is preempted and recomputed. One that comes back with another pool
 (fewer or more blocks, another block size or swap space, a shorter context) gets a
