@@ -1,8 +1,8 @@
 """The executor stage: takes ExecuteSteps from the scheduler, runs them, sends back sampled tokens.
 
-It connects to the scheduler's two bound sockets, announces its KV pool with
-`ExecutorReady` (with the step limits it was sized for), then runs one step at a time, in the order they come; a step the
-scheduler built before the previous one's result (async scheduling) names the tokens
+It connects to the scheduler's two bound sockets, announces its KV pool and the step
+limits it was sized for with `ExecutorReady`, then runs one step at a time, in the order
+they come; a step the scheduler built before the previous one's result (async scheduling) names the tokens
 that step sampled as placeholders, filled in here (`previous_tokens`). Sampling
 parameters and token histories come once per request and sequence and are kept here
 (`seq_states`), filled into each step on receipt. A step that raises is reported as
