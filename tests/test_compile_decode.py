@@ -22,9 +22,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kernels.cpu.build import load
 from services import launcher
-from services.executor import service
 from services.executor.compiled_decode import CompiledDecode
 from services.executor.model_runner import ModelRunner
+from services.stage_options import add_stage_args
 from shared.config import Addresses
 from shared.messages import ExecuteStep, ScheduledSeq, SeqSampling
 
@@ -137,7 +137,7 @@ def test_the_launcher_passes_compile_to_the_executor_and_it_stays_off_by_default
         launcher.add_args(parser)
         cmd = launcher.stage_commands(parser.parse_args(argv), Addresses.ipc("/tmp/run"))["executor"]
         executor = argparse.ArgumentParser()
-        service.add_args(executor)
+        add_stage_args(executor, "executor")
         return executor.parse_args(cmd[cmd.index("executor") + 1 :])
 
     assert executor_args(["--compile"]).compile_decode

@@ -14,15 +14,16 @@ import pytest
 from aiohttp import web
 
 from services.gateway.host_check import HostCheck, host_name
-from services.gateway.limits import DEFAULT_LIMITS, RequestLimits, limits_from_args, nesting_depth
+from services.gateway.limits import DEFAULT_LIMITS, RequestLimits, nesting_depth
 from services.gateway.openai.chat import parse_chat
 from services.gateway.openai.completions import parse_completion
 from services.gateway.openai.errors import ApiError
 from services.gateway.openai.field_policy import HARMLESS
 from services.gateway.openai.responses import ResponseBuilder
 from services.gateway.openai.tools import ToolMode, extract_calls, split_calls
-from services.gateway.options import add_exposure_args
+from services.gateway.options import GatewayOptions
 from shared.messages import SamplingParams
+from shared.options import add_options, from_args
 
 MODELS = {"m"}
 TOOL = {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}
@@ -105,7 +106,7 @@ def test_what_honest_clients_send_is_within_the_defaults():
 
 def test_the_limits_are_flags_that_travel_from_the_launcher_to_the_gateway_stage():
     from services import launcher
-    from services.gateway import service
+    from services.stage_options import add_stage_args
     from shared.config import Addresses
 
     parser = argparse.ArgumentParser()
@@ -114,9 +115,9 @@ def test_the_limits_are_flags_that_travel_from_the_launcher_to_the_gateway_stage
                               "--allowed-hosts", "api.example,localhost"])
     cmd = launcher.stage_commands(args, Addresses.ipc("/tmp/x"))["gateway"]
     stage = argparse.ArgumentParser()
-    service.add_args(stage)
+    add_stage_args(stage, "gateway")
     gateway_args = stage.parse_args(cmd[cmd.index("gateway") + 1:])
-    limits = limits_from_args(gateway_args)
+    limits = from_args(RequestLimits, gateway_args)
     assert (limits.max_n, limits.max_schema_depth, limits.max_tools) == (2, 8, 3)
     assert limits.max_logprobs == DEFAULT_LIMITS.max_logprobs
     assert gateway_args.allowed_hosts == "api.example,localhost"
@@ -257,7 +258,7 @@ def test_a_foreign_host_gets_a_403_over_real_http():
 
 def test_the_gateway_options_declare_allowed_hosts():
     parser = argparse.ArgumentParser()
-    add_exposure_args(parser)
+    add_options(parser, [GatewayOptions])
     assert parser.parse_args([]).allowed_hosts is None
 
 

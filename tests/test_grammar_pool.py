@@ -270,7 +270,7 @@ def test_serve_passes_the_grammar_limits_to_every_tokenizer_replica():
     import argparse
 
     from services import launcher
-    from services.tokenizer import service
+    from services.stage_options import add_stage_args
 
     parser = argparse.ArgumentParser()
     launcher.add_args(parser)
@@ -279,7 +279,7 @@ def test_serve_passes_the_grammar_limits_to_every_tokenizer_replica():
     cmds = launcher.stage_commands(parser.parse_args(argv), Addresses.ipc("/tmp/run"))
     for name in ("tokenizer-0", "tokenizer-1"):
         own = argparse.ArgumentParser()
-        service.add_args(own)
+        add_stage_args(own, "tokenizer")
         cmd = cmds[name]
         args = own.parse_args(cmd[cmd.index("tokenizer") + 1:])
         assert (args.grammar_compile_timeout, args.grammar_workers, args.grammar_max_bytes) == (2.5, 3, 1000)

@@ -15,6 +15,7 @@ import pytest
 
 from services import launcher
 from services.executor import service
+from services.stage_options import add_stage_args
 from shared.config import Addresses
 from tests.helpers import ROOT
 
@@ -28,7 +29,7 @@ def executor_devices(argv: list[str]) -> dict[str, tuple[str, int, str, str]]:
     for name, cmd in cmds.items():
         if name.startswith("executor"):
             own = argparse.ArgumentParser()
-            service.add_args(own)
+            add_stage_args(own, "executor")
             args = own.parse_args(cmd[cmd.index("executor") + 1:])
             device = service.rank_device(args.device, args.tp_rank, args.tensor_parallel_size)
             out[name] = (args.engine, args.tp_rank, device, args.tp_init_address)

@@ -296,7 +296,8 @@ def test_executor_stage_round_trip(llama, tmp_path):
         ready = results.recv(timeout_ms=60_000)
         assert ready.instance  # a fresh id per process: the scheduler tells restarts apart by it
         assert ready == ExecutorReady("ex-test", num_kv_blocks=16, block_size=8, max_model_len=256,
-                                      instance=ready.instance, vocab_size=1000)
+                                      instance=ready.instance, vocab_size=1000, max_num_seqs=256,
+                                      max_num_batched_tokens=2048)  # the step limits it was sized for
         beat = status.recv(timeout_ms=5_000)
         assert isinstance(beat, Heartbeat) and beat.stage == "executor" and beat.replica == "ex-test"
         prompt = [5, 6, 7, 8, 9]

@@ -12,7 +12,8 @@ import time
 import pytest
 import zmq
 
-from services.scheduler.service import SchedulerService, add_args
+from services.scheduler.service import SchedulerService
+from services.stage_options import add_stage_args
 from shared import transport
 from shared.config import ADDRESS_NAMES, Addresses
 from shared.messages import (
@@ -37,11 +38,11 @@ class Stage:
     """A scheduler service in a thread, with the test as its executor."""
 
     def __init__(self, num_kv_blocks: int = 64, vocab_size: int = 0, argv: tuple[str, ...] = (),
-                 num_swap_blocks: int = 0):
+                 num_swap_blocks: int = 0, sized_for: tuple[int, int] = (0, 0)):
         self.ctx = zmq.Context()
         self.addrs = Addresses(**{name: f"inproc://{name}" for name in ADDRESS_NAMES})
         parser = argparse.ArgumentParser()
-        add_args(parser)
+        add_stage_args(parser, "scheduler")
         self.service = SchedulerService(parser.parse_args([*self.addrs.as_argv(), *argv]), self.ctx)
         self.executor_in = PullSocket(self.ctx, self.addrs.executor_in, SchedulerToExecutor, bind=False)
         self.executor_out = PushSocket(self.ctx, self.addrs.executor_out, ExecutorToScheduler, bind=False)
@@ -49,10 +50,12 @@ class Stage:
         self.forged_for: set[str] = set()  # requests sampled a token id outside any vocabulary
         self.fail_at: dict[tuple[str, int], int] = {}  # (request, seq index) -> output index its row fails at
         self.steps = 0
+        self.widest = 0  # the most sequences in one step
         self.thread = threading.Thread(target=self.service.serve, daemon=True)
         self.thread.start()
         self.executor_out.send(ExecutorReady("test-executor", num_kv_blocks, 4, 256, instance="test",
-                                             vocab_size=vocab_size, num_swap_blocks=num_swap_blocks))
+                                             vocab_size=vocab_size, num_swap_blocks=num_swap_blocks,
+                                             max_num_seqs=sized_for[0], max_num_batched_tokens=sized_for[1]))
 
     def tokenizer(self, name: str) -> DealerSocket:
         return DealerSocket(self.ctx, self.addrs.scheduler_in, SchedulerToTokenizer, name)
@@ -63,6 +66,7 @@ class Stage:
             if not isinstance(step, ExecuteStep):
                 continue
             self.steps += 1
+            self.widest = max(self.widest, len(step.seqs))
             top = []
             for seq in step.seqs:
                 if seq.sample and seq.num_logprobs:
@@ -331,5 +335,23 @@ def test_the_next_step_goes_out_before_the_result_of_the_one_in_flight(async_sch
         assert tokens == [7, 7, 7, 7] and not sent
         stats = stage.service.scheduler.stats()
         assert stats.num_steps_total == 4 and stats.decode_steps_total == 3
+    finally:
+        stage.close()
+
+
+def test_steps_stay_within_the_limits_the_executor_was_sized_for(caplog):
+    """An executor sized for smaller steps than the scheduler's own limits (stages started apart,
+    with different --max-num-seqs): the scheduler schedules within the executor's, and says so."""
+    stage = Stage(argv=("--max-num-seqs", "8"), sized_for=(2, 64))
+    try:
+        tok = stage.tokenizer("tok-0")
+        for i in range(5):
+            tok.send(honest(f"r{i}"))
+        replies = stage.run_until(lambda r: all(ended(r.get(f"r{i}", [])) for i in range(5)), tok)
+        assert all([t for m in replies[f"r{i}"] for t in m.token_ids] == [7] * 5 for i in range(5))
+        assert stage.widest == 2
+        assert (stage.service.scheduler.config.max_num_seqs, stage.service.scheduler.config.max_num_batched_tokens) \
+            == (2, 64)
+        assert "sized for steps of --max-num-seqs 2 and --max-num-batched-tokens 64" in caplog.text
     finally:
         stage.close()

@@ -7,25 +7,9 @@ slot must never hold NaN.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
-
-_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from '1073741824', '512MiB', '2GiB', '1.5G' (units: k, M, G and Ki, Mi, Gi; B optional)."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgG]i?)?[bB]?\s*", text)
-    if not m:
-        raise ValueError(f"not a size: {text!r}")
-    number, unit = m.group(1), _UNITS[(m.group(2) or "").lower()]
-    return int(number) * unit if number.isdigit() else int(float(number) * unit)
-
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize

@@ -51,6 +51,7 @@ from services.executor.loader import load_model
 from services.executor.logits_processors import History
 from services.executor.logprobs import token_logprobs
 from services.executor.models.llama import head_dim_of
+from services.executor.options import ExecutorOptions
 from services.executor.quantization import ALL_ROWS
 from services.executor.sampler import Sampler, no_token_problem
 from services.executor.step_calibration import calibrate_runner
@@ -58,6 +59,7 @@ from services.executor.swap_space import SwapSpace
 from services.executor.tp_group import GroupBroken, TPGroup
 from shared import cpu_placement
 from shared.messages import ExecuteStep, FailedRow, StepResult, TokenLogprob
+from shared.options import with_values
 
 log = logging.getLogger(__name__)
 
@@ -73,42 +75,28 @@ def _checkpoint_dtype(model_dir: str | Path) -> str | None:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model_dir: str | Path,
-        dtype: str | torch.dtype = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        device: str = "cpu",
-        attention_backend: str = "auto",
-        seed: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        cuda_graphs: bool = True,
-        swap_space: int = 0,
-        quantization: str = "auto",
-        int4_max_rows: int | None = None,
-        kv_cache_dtype: str = "auto",
-        tp: TPGroup | None = None,
-        compile_decode: bool = False,
-    ):
+    def __init__(self, model_dir: str | Path, options: ExecutorOptions | None = None, *, tp: TPGroup | None = None,
+                 seed: int | None = None, **overrides):
+        """options: the executor's (its defaults if None); overrides: some of its fields by name
+        (`ModelRunner(path, dtype="float32", num_kv_blocks=64)`)."""
+        self.options = o = with_values(options or ExecutorOptions(), **overrides)
+        block_size, num_kv_blocks, kv_cache_memory = o.block_size, o.num_kv_blocks, o.kv_cache_memory
+        max_num_seqs = o.limits.max_num_seqs
         self.tp = tp or TPGroup.single()
-        self.device = torch.device(device)
+        self.device = torch.device(o.device)
         if self.device.type == "cuda":
             if self.device.index is not None:
                 torch.cuda.set_device(self.device)
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.dtype = resolve_dtype(dtype, self.device, _checkpoint_dtype(model_dir))
+        self.dtype = resolve_dtype(o.dtype, self.device, _checkpoint_dtype(model_dir))
         self.block_size = block_size
-        self.backend = get_backend(attention_backend, device)
+        self.backend = get_backend(o.attention_backend, o.device)
         # on one CPU process the quantized copies' row limits are timed on real decode steps once the
         # pool exists (services.executor.step_calibration); until then they serve every calibrated size
-        step_calibrated = int4_max_rows is None and self.tp.size == 1 and self.device.type == "cpu"
-        self.model = load_model(model_dir, self.dtype, self.device, self.backend, quantization,
-                                ALL_ROWS if step_calibrated else int4_max_rows, self.tp)
-        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.backend.name)
+        step_calibrated = o.int4_max_rows is None and self.tp.size == 1 and self.device.type == "cpu"
+        self.model = load_model(model_dir, self.dtype, self.device, self.backend, o.quantization,
+                                ALL_ROWS if step_calibrated else o.int4_max_rows, self.tp)
+        self.kv_dtype = resolve_kv_cache_dtype(o.kv_cache_dtype, self.dtype, self.backend.name)
         config = self.model.config
         self.max_model_len: int = config.max_position_embeddings
         self.vocab_size: int = config.vocab_size
@@ -121,23 +109,23 @@ class ModelRunner:
         if num_kv_blocks is None:
             if kv_cache_memory is None and self.device.type == "cuda":
                 kv_cache_memory = self._profile_kv_cache_memory(
-                    shape, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
+                    shape, o.gpu_memory_utilization, o.limits.max_num_batched_tokens, max_num_seqs)
             memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
             num_kv_blocks = KVCache.blocks_for_memory(memory, *shape, self.kv_dtype)
         num_kv_blocks = self.tp.min_int(num_kv_blocks)  # every rank's pool has the same blocks
-        compiled = compile_decode and self.device.type == "cpu" and self.tp.size == 1
-        if compile_decode and not compiled:
+        compiled = o.compile_decode and self.device.type == "cpu" and self.tp.size == 1
+        if o.compile_decode and not compiled:
             log.info("--compile is for decode steps on one CPU process; ignored here (CUDA graphs serve CUDA)")
         # a compiled decode step's padding rows write their K/V past the pool the scheduler knows
         extra = SCRATCH_BLOCKS if compiled else 0
         self.kv_cache = KVCache(shape[0], num_kv_blocks + extra, *shape[1:], self.kv_dtype, self.device)
         self.num_kv_blocks: int = num_kv_blocks
         per_block = bytes_per_block(*shape, self.kv_dtype)
-        self.swap = SwapSpace(self.kv_cache, self.tp.min_int(swap_space // per_block) * per_block)
+        self.swap = SwapSpace(self.kv_cache, self.tp.min_int(o.swap_space // per_block) * per_block)
         self.last_top_logprobs: list[list[tuple[int, float]]] = []
-        if cuda_graphs and self.device.type == "cuda" and self.tp.size > 1:
+        if o.cuda_graphs and self.device.type == "cuda" and self.tp.size > 1:
             log.info("no CUDA graphs under tensor parallelism (the all-reduces are not captured)")
-        elif cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
+        elif o.cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
             self.graphs = DecodeGraphs(self.model, self.kv_cache.k_caches, self.kv_cache.v_caches, block_size,
                                        self.max_model_len, max_num_seqs, self.device)
         if step_calibrated:  # under TP a rank cannot time a step alone: the loader timed matmuls instead

@@ -1,8 +1,8 @@
 """The executor stage: takes ExecuteSteps from the scheduler, runs them, sends back sampled tokens.
 
-It connects to the scheduler's two bound sockets, announces its KV pool with
-`ExecutorReady`, then runs one step at a time, in the order they come; a step the
-scheduler built before the previous one's result (async scheduling) names the tokens
+It connects to the scheduler's two bound sockets, announces its KV pool and the step
+limits it was sized for with `ExecutorReady`, then runs one step at a time, in the order
+they come; a step the scheduler built before the previous one's result (async scheduling) names the tokens
 that step sampled as placeholders, filled in here (`previous_tokens`). Sampling
 parameters and token histories come once per request and sequence and are kept here
 (`seq_states`), filled into each step on receipt. A step that raises is reported as
@@ -35,20 +35,13 @@ import time
 import torch
 import zmq
 
-from services.executor.kv_cache import parse_size
 from services.executor.model_runner import ModelRunner
+from services.executor.options import ExecutorOptions
 from services.executor.previous_tokens import PreviousTokens
 from services.executor.seq_states import SequenceStates
-from services.executor.tp_group import (
-    INSECURE_ENV,
-    INSECURE_FLAG,
-    KEEPALIVE_S,
-    GroupBroken,
-    TPGroup,
-    insecure_allowed,
-)
+from services.executor.tp_group import KEEPALIVE_S, GroupBroken, TPGroup, insecure_allowed
 from shared import cpu_placement
-from shared.config import Addresses, add_address_args, add_log_args, add_model_args
+from shared.config import Addresses
 from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
 from shared.messages import (
@@ -64,66 +57,12 @@ from shared.messages import (
     StepResult,
 )
 from shared.model_files import resolve_model
+from shared.options import from_args, with_values
 from shared.transport import PullSocket, PushSocket, configure
 
 log = logging.getLogger("pagedserve.executor")
 
 POLL_MS = 100  # how often the idle loop looks at the stop flag
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    add_model_args(parser)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                        help="auto: bfloat16 on CUDA and on CPUs with bfloat16 matrix instructions, else float32")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"],
-                        help="int4: also keep 4-bit copies of the decoder's weights (groups of 32, as GGUF Q4_1) "
-                             "for steps of few tokens, where reading weights dominates; auto: int4 when the "
-                             "checkpoint is already 4-bit (lossless), else none")
-    parser.add_argument("--int4-max-rows", type=int, default=None,
-                        help="steps of at most this many tokens use the int4 copies (default: measured at load)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                        help="auto: the compute dtype; bfloat16 with float32 compute halves the pool's bytes per "
-                             "block (CPU backends only)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="pool size; wins over --kv-cache-memory")
-    parser.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                        help="bytes for the KV pool (e.g. 1073741824 or 2GiB); default 1 GiB")
-    parser.add_argument("--swap-space", type=parse_size, default=0,
-                        help="bytes of host memory for the KV of swapped-out sequences (--preemption-mode swap)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--executor-id", default=None, help="name in heartbeats and ExecutorReady")
-    parser.add_argument("--engine", default="engine-0", help="the engine this executor serves (data parallelism)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument("--keep-main-core", action="store_true",
-                        help="on the CPU, once loaded: the main thread keeps the first allowed core to itself, the "
-                             "other threads (OpenMP workers, sockets) run on the rest (shared.cpu_placement; "
-                             "`serve` passes it when one executor has the host's CPU)")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "triton", "torch"],
-                        help="auto: Triton kernels on CUDA, the C++ CPU kernels on the CPU (the torch reference if they cannot be built)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="on CUDA, the fraction of GPU memory the executor may use; the KV pool gets what "
-                             "a profiling pass of the largest batch leaves (unless sized explicitly)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="tokens of the largest step the scheduler sends (sizes the profiling pass)")
-    parser.add_argument("--max-num-seqs", type=int, default=256,
-                        help="sequences of the largest step (profiling pass, largest CUDA graph)")
-    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                        help="run decode steps eagerly instead of replaying CUDA graphs")
-    parser.add_argument("--compile", dest="compile_decode", action="store_true",
-                        help="on the CPU, run decode steps through torch.compile (inductor), one graph per bucketed "
-                             "batch size compiled on its first step and cached on disk (services.executor."
-                             "compiled_decode); prefill stays eager")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="ranks this executor's model is split over (one process each, started with --tp-rank)")
-    parser.add_argument("--tp-rank", type=int, default=0, help="this process's rank in the tensor-parallel group")
-    parser.add_argument("--tp-init-address", default=os.environ.get("PAGEDSERVE_TP_INIT_ADDRESS"),
-                        help="tcp://host:port where the ranks meet (rank 0 listens there); loopback only unless "
-                             f"{INSECURE_FLAG}")
-    parser.add_argument(INSECURE_FLAG, action="store_true",
-                        help="let the ranks meet on a non-loopback address: torch.distributed and gloo are "
-                             f"unauthenticated plaintext (or ${INSECURE_ENV}=1); only on a network no one else reaches")
-    add_address_args(parser, required=False)
-    add_log_args(parser)
 
 
 def keep_main_core() -> None:
@@ -194,7 +133,8 @@ class Executor:
             ready = ExecutorReady(executor_id=self.executor_id, num_kv_blocks=runner.num_kv_blocks,
                                   block_size=runner.block_size, max_model_len=runner.max_model_len,
                                   num_swap_blocks=runner.swap.num_blocks, instance=INSTANCE_ID,
-                                  vocab_size=runner.vocab_size)
+                                  vocab_size=runner.vocab_size, max_num_seqs=runner.options.limits.max_num_seqs,
+                                  max_num_batched_tokens=runner.options.limits.max_num_batched_tokens)
             results.send(ready)
             self.state = "ready"
             log.info("executor %s ready", self.executor_id)
@@ -235,17 +175,8 @@ class Executor:
                 heartbeat.join(timeout=1)
 
     def load(self, device: str, group: TPGroup) -> ModelRunner:
-        args = self.args
-        return ModelRunner(
-            resolve_model(args.model), dtype=args.dtype, block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-            device=device, attention_backend=args.attention_backend,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            cuda_graphs=args.cuda_graphs, swap_space=args.swap_space or 0,
-            quantization=args.quantization, int4_max_rows=args.int4_max_rows,
-            kv_cache_dtype=args.kv_cache_dtype, tp=group, compile_decode=args.compile_decode,
-        )
+        options = with_values(from_args(ExecutorOptions, self.args), device=device)
+        return ModelRunner(resolve_model(self.args.model), options, tp=group)
 
     def execute(self, runner: ModelRunner, step: ExecuteStep,
                 failed: list[FailedRow] = ()) -> StepResult | StepFailed:

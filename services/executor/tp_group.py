@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from services.executor.options import INSECURE_ENV
 from shared.curve import is_exposed
 from shared.messages import RankZeroToRanks
 
@@ -55,8 +56,7 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_S = 300.0  # a collective (model loading included before the first) waits this long for its peers
 KEEPALIVE_S = 1.0
-INSECURE_FLAG = "--allow-insecure-tp-rendezvous"
-INSECURE_ENV = "PAGEDSERVE_ALLOW_INSECURE_TP_RENDEZVOUS"
+INSECURE_FLAG = "--allow-insecure-tp-rendezvous"  # ParallelOptions.allow_insecure_tp_rendezvous
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(RankZeroToRanks)

@@ -1,8 +1,8 @@
 """The bounds on the work one request may ask for, decided at the gateway.
 
 Each bound is a field of RequestLimits and a flag of `pagedserve serve` and of the gateway
-stage (`--max-n`, `--max-logprobs`, ...), built from the fields below so that the launcher
-forwards them whole (`limits_argv`). The defaults sit above what OpenAI allows (n <= 128
+stage (`--max-n`, `--max-logprobs`, ...), built from the fields below (shared.options), so
+that the launcher forwards them whole with the gateway's other options. The defaults sit above what OpenAI allows (n <= 128
 is OpenAI's, but 16 samples are more than any sampling client asks; top_logprobs <= 20;
 stop <= 4; logit_bias <= 300 entries; 128 tools; a schema 10 levels deep) and above what
 vLLM's own clients send, so honest clients never meet them; a request past one gets a 400
@@ -13,17 +13,20 @@ Kept free of aiohttp: the launcher, imported by every `pagedserve` command, read
 
 from __future__ import annotations
 
-import argparse
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
+
+from shared.options import option, positive
 
 
 def _limit(default: int, help_: str):
-    return field(default=default, metadata={"help": help_})
+    return option(default, f"{help_} (default {default}; 400 beyond)", parse=positive)
 
 
 @dataclass(frozen=True)
 class RequestLimits:
+    """bounds on one request's work (the gateway)"""
+
     max_n: int = _limit(16, "samples (n) or beams (beam_width) of one request; the engine allows at most 64")
     max_prompts: int = _limit(64, "prompts in one /v1/completions batch")
     max_sequences: int = _limit(256, "sequences one request starts: prompts x n (x beam_width with beam search)")
@@ -48,37 +51,6 @@ class RequestLimits:
 
 
 DEFAULT_LIMITS = RequestLimits()
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def add_limit_args(parser: argparse.ArgumentParser) -> None:
-    for f in fields(RequestLimits):
-        parser.add_argument(_flag(f.name), type=_positive, default=f.default,
-                            help=f"{f.metadata['help']} (default {f.default}; 400 beyond)")
-
-
-def limits_from_args(args: argparse.Namespace) -> RequestLimits:
-    return RequestLimits(**{f.name: getattr(args, f.name, f.default) for f in fields(RequestLimits)})
-
-
-def limits_argv(args: argparse.Namespace) -> list[str]:
-    """The limit flags for the gateway stage's command line, the defaults left out."""
-    out = []
-    for f in fields(RequestLimits):
-        value = getattr(args, f.name, f.default)
-        if value != f.default:
-            out += [_flag(f.name), str(value)]
-    return out
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def nesting_depth(value, stop_after: int) -> int:

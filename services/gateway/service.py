@@ -30,16 +30,16 @@ from services.gateway.engine_client import EngineClient
 from services.gateway.engines import EnginePublisher, engines_report
 from services.gateway.health import StageTracker
 from services.gateway.host_check import HostCheck
-from services.gateway.limits import limits_from_args
+from services.gateway.limits import RequestLimits
 from services.gateway.metrics import Metrics
-from services.gateway.options import add_exposure_args
 from services.gateway.supervision import SupervisionState
 from services.gateway.watchdog import CHECK_INTERVAL_S, StageWatchdog
-from shared.config import Addresses, add_address_args, add_log_args, add_model_args
+from shared.config import Addresses
 from shared.curve import CurveKeys, stage_keys
 from shared.heartbeat import HeartbeatThread
 from shared.messages import PoolSnapshot, StatusToGateway
 from shared.model_files import default_served_name
+from shared.options import from_args
 from shared.transport import MAX_MESSAGE_BYTES, AsyncPullSocket, configure
 
 log = logging.getLogger(__name__)
@@ -47,20 +47,6 @@ log = logging.getLogger(__name__)
 # a JSON body's msgpack message is at most this many times its size (token ids: "1," is
 # two bytes of JSON and up to five of msgpack)
 MESSAGE_EXPANSION = 3
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    add_model_args(parser)
-    parser.add_argument("--served-model-name", default=None, help="model name clients use (default: from --model)")
-    parser.add_argument(
-        "--request-timeout", type=float, default=600.0,
-        help="seconds a request may take before it is aborted with a 504",
-    )
-    add_exposure_args(parser)
-    add_address_args(parser, required=False)
-    add_log_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +89,7 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
                           lambda: client.num_waiting, lambda: watchdog.missing_stage, args.metrics_public)
     served = args.served_model_name or default_served_name(args.model)
     gateway = Gateway(client, tracker, metrics, served, {served, args.model}, args.request_timeout, args.model,
-                      admission, args.max_request_bytes, args.client_timeout, limits_from_args(args),
+                      admission, args.max_request_bytes, args.client_timeout, from_args(RequestLimits, args),
                       HostCheck(args.allowed_hosts, args.host))
     hub = DashboardHub(metrics, client.watch_pool)
     tasks = [loop.create_task(client.run_reader()), loop.create_task(client.run_upkeep()),

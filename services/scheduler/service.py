@@ -6,7 +6,9 @@ tokens come back. With async scheduling (the default) the step after is built an
 sent while the executor runs one (`Scheduler.schedule_ahead`), so it starts the next
 step as soon as it is done instead of waiting for a round trip; at most two steps
 are in flight, and results apply in the order the steps were sent. The pool's size
-comes from the executor's `ExecutorReady`; a second `ExecutorReady` from a new
+comes from the executor's `ExecutorReady`, and so do the step limits the executor was
+sized for: steps stay within them where they are below this stage's --max-num-seqs or
+--max-num-batched-tokens (`options.fit_to_executor`, with a warning); a second `ExecutorReady` from a new
 executor instance means the executor restarted and lost the KV cache, so every
 running request is preempted and recomputed. One that comes back with another pool
 (fewer or more blocks, another block size or swap space, a shorter context) gets a
@@ -44,15 +46,15 @@ import msgspec
 import zmq
 
 from services.scheduler.kv_accounting import kv_usage
+from services.scheduler.options import WARMUP_FACTOR, fit_to_executor
 from services.scheduler.outbox import Outbox
 from services.scheduler.pool_snapshot import pool_snapshot
 from services.scheduler.pool_watch import PoolWatch
 from services.scheduler.request import Request
-from services.scheduler.reservation import POLICIES as KV_POLICIES
 from services.scheduler.reservation import make_allocator
 from services.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.scheduler.swap_space import SwapSpace
-from shared.config import Addresses, add_address_args, add_log_args
+from shared.config import Addresses, BatchLimits
 from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
 from shared.messages import (
@@ -75,6 +77,7 @@ from shared.messages import (
     TokenizerToScheduler,
     WatchPool,
 )
+from shared.options import from_args
 from shared.transport import PullSocket, PushSocket, RouterSocket, configure, wait_readable
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -83,8 +86,6 @@ HELLO_INTERVAL_S = 0.5
 STATS_INTERVAL_S = 0.05  # heartbeats go out every 0.25 s: fresher stats would go unseen
 STALL_TIMEOUT_S = 30.0  # a replica that reads nothing for this long loses its requests
 BACKLOG_POLL_MS = 5  # how soon a replica's backlog is retried
-STEP_TIMEOUT_S = 120.0  # the executor answers a step within this, or it is lost
-WARMUP_FACTOR = 5  # the first step after an executor announces itself may compile kernels
 
 
 @dataclass(frozen=True)
@@ -92,28 +93,6 @@ class StepInFlight:
     step_id: int
     chunks: list[ScheduledChunk]
     started: float  # when it was built, or the result before it came (perf_counter)
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", default="engine-0", help="the engine this scheduler leads (data parallelism)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="max running requests")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    parser.add_argument("--max-model-len", type=int, default=None, help="cap below the model's own")
-    parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
-                        help="swap needs host swap space on the executor (--swap-space)")
-    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                        help="do not reuse cached KV blocks of identical prompt prefixes")
-    parser.add_argument("--kv-policy", choices=KV_POLICIES, default="paged",
-                        help="paged (blocks on demand) or a contiguous-reservation baseline of the paper")
-    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                        help="build each step only once the previous one's result is back (by default the next "
-                             "step is built and sent while the executor runs the current one)")
-    parser.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S,
-                        help="seconds the executor may take to answer a step before it is treated as lost (its "
-                             f"requests are recomputed when it answers again); {WARMUP_FACTOR}x that for the "
-                             "first step after it starts, which may compile kernels")
-    add_address_args(parser, required=False)
-    add_log_args(parser)
 
 
 def scheduler_name(engine: str) -> str:
@@ -179,7 +158,8 @@ class SchedulerService:
             raise ValueError(f"{msg.num_kv_blocks} blocks of {msg.block_size} tokens, {msg.num_swap_blocks} swap "
                              f"blocks, a context of {msg.max_model_len}")
         max_len = min(msg.max_model_len, self.args.max_model_len or msg.max_model_len)
-        config = SchedulerConfig(self.args.max_num_seqs, self.args.max_num_batched_tokens, max_len,
+        limits = fit_to_executor(from_args(BatchLimits, self.args), msg)
+        config = SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens, max_len,
                                  self.args.preemption_mode, msg.vocab_size)
         if config.preemption_mode == "swap" and not msg.num_swap_blocks:
             log.warning("--preemption-mode swap without executor swap space: preempted requests recompute")

@@ -21,7 +21,6 @@ seconds: importing xgrammar), then compiles for at most `timeout_s`.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import multiprocessing
 import time
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 import msgspec
 
 from shared.messages import StructuredOutput
+from shared.options import option
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +46,15 @@ WORKER_HEAP_BYTES = 2 << 30
 FAILED_STARTS = 3  # workers dying before they are up, in a row, before the pool gives up
 
 
-def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--grammar-compile-timeout", type=float, default=10.0,
-                        help="seconds a structured output spec may take to compile (else the request is a 400)")
-    parser.add_argument("--grammar-workers", type=int, default=2,
-                        help="processes compiling structured output specs, per tokenizer replica")
-    parser.add_argument("--grammar-max-bytes", type=int, default=MAX_BYTES,
-                        help="largest compiled grammar (serialized) a request may carry to the executor "
-                             "(which deserializes it once per spec: about 30 ms a MiB)")
+@dataclass(frozen=True)
+class GrammarOptions:
+    """structured output (the tokenizer's grammar compiler pool)"""
 
-
-def argv(args: argparse.Namespace) -> list[str]:
-    """The flags above, to pass on to a tokenizer replica."""
-    return ["--grammar-compile-timeout", str(args.grammar_compile_timeout),
-            "--grammar-workers", str(args.grammar_workers), "--grammar-max-bytes", str(args.grammar_max_bytes)]
+    grammar_compile_timeout: float = option(10.0, "seconds a structured output spec may take to compile (else the "
+                                                  "request is a 400)")
+    grammar_workers: int = option(2, "processes compiling structured output specs, per tokenizer replica")
+    grammar_max_bytes: int = option(MAX_BYTES, "largest compiled grammar (serialized) a request may carry to the "
+                                               "executor (which deserializes it once per spec: about 30 ms a MiB)")
 
 
 class _Answer(msgspec.Struct, array_like=True):

@@ -32,13 +32,12 @@ import zmq
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from services.tokenizer import grammar_pool
-from services.tokenizer.engine_router import POLICIES
 from services.tokenizer.engines import EngineLinks
 from services.tokenizer.gateway_watch import GatewayWatch
 from services.tokenizer.prompts import PromptBuilder
 from services.tokenizer.stage import TokenizerStage
 from shared import structured_output
-from shared.config import Addresses, add_address_args, add_log_args, add_model_args
+from shared.config import Addresses
 from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
 from shared.messages import (
@@ -58,20 +57,6 @@ POLL_MS = 100
 STUCK_AFTER_S = 5.0  # a loop turn takes at most POLL_MS when idle
 GATEWAY_BATCH = 8  # new requests taken per turn before looking at the scheduler again
 GATEWAY_CHECK_S = 0.25  # how often the gateway's liveness is looked at
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    add_model_args(parser)
-    parser.add_argument("--replica", default=None, help="this replica's name (default tokenizer-<host>-<pid>)")
-    parser.add_argument(
-        "--max-model-len", type=int, default=None,
-        help="context length to enforce (default: the model's max_position_embeddings)",
-    )
-    parser.add_argument("--routing", default="prefix", choices=POLICIES,
-                        help="with several engines: how requests are spread over them")
-    grammar_pool.add_args(parser)
-    add_address_args(parser, required=False)
-    add_log_args(parser)
 
 
 def load_model(model: str, max_model_len: int | None):

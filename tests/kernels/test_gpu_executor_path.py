@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from services import launcher
-from services.executor import service
 from services.executor.batch import BatchMetadata
 from services.executor.cuda_graphs import capture_sizes
 from services.executor.gpu_memory import kv_cache_budget, profile_step
 from services.executor.model_runner import ModelRunner
+from services.stage_options import add_stage_args
 from shared.config import Addresses
 from tests.test_model_runner import make_model
 
@@ -24,7 +24,7 @@ def executor_args_from_launcher(argv: list[str]) -> argparse.Namespace:
     launcher.add_args(parser)
     cmd = launcher.stage_commands(parser.parse_args(argv), Addresses.ipc("/tmp/run"))["executor"]
     executor = argparse.ArgumentParser()
-    service.add_args(executor)
+    add_stage_args(executor, "executor")
     return executor.parse_args(cmd[cmd.index("executor") + 1 :])
 
 

@@ -1,0 +1,50 @@
+"""The scheduler's options (`SchedulerOptions`; its step limits are shared.config's
+`BatchLimits`, which the executor is sized for too), and the check of those limits
+against the ones an executor reports it was sized for (`fit_to_executor`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from services.scheduler.reservation import POLICIES as KV_POLICIES
+from shared.config import BatchLimits
+from shared.messages import ExecutorReady
+from shared.options import option
+
+log = logging.getLogger("pagedserve.scheduler")
+
+STEP_TIMEOUT_S = 120.0  # the executor answers a step within this, or it is lost
+WARMUP_FACTOR = 5  # the first step after an executor announces itself may compile kernels
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """scheduler"""
+
+    preemption_mode: str = option("recompute", "swap needs host swap space on the executor (--swap-space)",
+                                  choices=("recompute", "swap"))
+    prefix_caching: bool = option(True, "do not reuse cached KV blocks of identical prompt prefixes")
+    kv_policy: str = option("paged", "paged (blocks on demand) or a contiguous-reservation baseline of the paper",
+                            choices=KV_POLICIES)
+    async_scheduling: bool = option(True, "build each step only once the previous one's result is back (by default "
+                                          "the next step is built and sent while the executor runs the current one)")
+    step_timeout: float = option(STEP_TIMEOUT_S, "seconds the executor may take to answer a step before it is "
+                                                 "treated as lost (its requests are recomputed when it answers "
+                                                 f"again); {WARMUP_FACTOR}x that for the first step after it "
+                                                 "starts, which may compile kernels")
+
+
+def fit_to_executor(own: BatchLimits, ready: ExecutorReady) -> BatchLimits:
+    """The step limits to schedule with: the scheduler's own, lowered to those the executor
+    reports it was sized for (its profiling pass, its largest CUDA graph or compiled batch)
+    where they are smaller, with a warning naming both. An executor that reports none (0,
+    an older one) is taken at the scheduler's word."""
+    seqs = min(own.max_num_seqs, ready.max_num_seqs or own.max_num_seqs)
+    tokens = min(own.max_num_batched_tokens, ready.max_num_batched_tokens or own.max_num_batched_tokens)
+    if (seqs, tokens) != (own.max_num_seqs, own.max_num_batched_tokens):
+        log.warning("executor %s was sized for steps of --max-num-seqs %d and --max-num-batched-tokens %d, below "
+                    "this scheduler's %d and %d: scheduling with %d and %d (give both stages the same limits)",
+                    ready.executor_id, ready.max_num_seqs, ready.max_num_batched_tokens, own.max_num_seqs,
+                    own.max_num_batched_tokens, seqs, tokens)
+    return BatchLimits(seqs, tokens)
