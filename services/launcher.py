@@ -33,7 +33,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -53,6 +52,7 @@ from shared.config import (
 )
 from shared.curve import load_keys
 from shared.model_files import default_served_name, resolve_model
+from shared.ports import free_port
 
 log = logging.getLogger("pagedserve.launcher")
 
@@ -125,12 +125,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 RANK_SUFFIX = "-rank"  # stage names of tensor-parallel ranks > 0: executor-rank1, executor-0-rank1, ...
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def first_gpu(device: str) -> int:

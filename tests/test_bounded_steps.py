@@ -12,8 +12,8 @@ import pytest
 
 from services.executor.seq_states import SequenceStates
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.sequence import Sequence
 from shared.messages import PREVIOUS_TOKEN, ExecuteStep, SamplingParams, SchedulerToExecutor
 from tests.test_scheduler import EOS, FakeExecutor, reference_beam_search, reference_output
 
@@ -30,9 +30,9 @@ def hostile_params(n: int, allowed: int, bias: int, words: int, **extra) -> Samp
         bad_words_ids=[[rng.randrange(60_000, 65_000) for _ in range(8)] for _ in range(words)], **extra)
 
 
-def request(rid: str, prompt_len: int, params: SamplingParams) -> Request:
+def request(rid: str, prompt_len: int, params: SamplingParams) -> Sequence:
     prompt = [random.Random(rid).randrange(3, 100) for _ in range(prompt_len)]
-    return Request(rid, prompt, params, frozenset({EOS}), 0.0)
+    return Sequence(rid, prompt, params, frozenset({EOS}), 0.0)
 
 
 class StatefulExecutor(FakeExecutor):
@@ -251,11 +251,11 @@ def test_the_estimate_covers_a_prefix_cache_hit_and_a_swapped_sequence():
     prompt = [random.Random(1).randrange(3, 100) for _ in range(1600)]
     budget = 4_000
     sched = Scheduler(SchedulerConfig(max_step_bytes=budget, max_num_batched_tokens=2048), BlockManager(1000, 4))
-    sched.add_request(Request("warm", prompt, SamplingParams(max_tokens=1), frozenset({EOS}), 0.0))
+    sched.add_request(Sequence("warm", prompt, SamplingParams(max_tokens=1), frozenset({EOS}), 0.0))
     executor = StatefulExecutor(sched)
     run(sched, executor)
     for i in range(6):  # each computes a token or two, on a 401-block table
-        sched.add_request(Request(f"hit{i}", prompt + [i + 3], SamplingParams(max_tokens=2, ignore_eos=True),
+        sched.add_request(Sequence(f"hit{i}", prompt + [i + 3], SamplingParams(max_tokens=2, ignore_eos=True),
                                   frozenset({EOS}), 0.0))
     executor.sizes.clear()
     outputs = run(sched, executor)

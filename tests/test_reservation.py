@@ -6,16 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request
 from services.scheduler.reservation import ReservingAllocator, make_allocator, next_pow2
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.sequence import Sequence
 from shared.messages import SamplingParams
 from tests.test_scheduler import make, reference_beam_search, reference_output, run_until_done
 
 
 def req(rid, prompt_len, max_tokens, n=1):
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n)
-    return Request(rid, [5] * prompt_len, params, frozenset({2}), 0.0)
+    return Sequence(rid, [5] * prompt_len, params, frozenset({2}), 0.0)
 
 
 def admit(alloc, seq):
@@ -205,7 +205,7 @@ def first_free_run(taken, n):
        block_size=st.sampled_from([1, 4, 16]), ops=ops)
 def test_reservations_never_overlap_and_first_fit_takes_the_lowest_gap(policy, block_size, ops):
     alloc = ReservingAllocator(policy, 256 // block_size, block_size, 96)
-    live: list[Request] = []
+    live: list[Sequence] = []
     for op in ops:
         tables = [s.block_table for s in live]
         if op[0] == "new":

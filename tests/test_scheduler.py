@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from services.scheduler.beam_search import beam_score
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request
+from services.scheduler.host_block_pool import HostBlockPool
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from services.scheduler.swap_space import SwapSpace
+from services.scheduler.sequence import Sequence
 from shared.messages import FailedRow, SamplingParams
 
 EOS = 2
@@ -21,7 +21,7 @@ EOS = 2
 
 def make(rid, prompt_len, max_tokens, **params):
     prompt = [random.Random(rid).randrange(3, 100) for _ in range(prompt_len)]
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), frozenset({EOS}), 0.0)
+    return Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), frozenset({EOS}), 0.0)
 
 
 class FakeExecutor:
@@ -185,7 +185,7 @@ def test_preemption_recomputes_and_gives_the_same_outputs():
 def test_swap_mode_moves_kv_to_host_and_back_with_the_same_outputs():
     big = Scheduler(SchedulerConfig(), BlockManager(1000, 4))
     small = Scheduler(SchedulerConfig(preemption_mode="swap"), BlockManager(12, 4, enable_prefix_caching=False),
-                      SwapSpace(40))
+                      HostBlockPool(40))
     for sched in (big, small):
         for i in range(4):
             sched.add_request(make(f"s{i}", 8, 12))
@@ -303,7 +303,7 @@ def test_beam_search_shares_blocks_and_matches_plain_beam_search():
 
 def test_beam_search_survives_preemption_by_recompute_and_by_swap():
     want = reference_beam_search(make("beam", 9, 12).prompt_token_ids, 4, 12, 77)
-    for mode, swap in (("recompute", None), ("swap", SwapSpace(64))):
+    for mode, swap in (("recompute", None), ("swap", HostBlockPool(64))):
         sched = Scheduler(SchedulerConfig(preemption_mode=mode), BlockManager(9, 4), swap)
         req = make("beam", 9, 12, use_beam_search=True, beam_width=4, n=4)
         req.eos_token_ids = frozenset({77})
@@ -404,7 +404,7 @@ def random_run_setup(build, mode: str, num_blocks: int) -> tuple[dict, Scheduler
     big = Scheduler(SchedulerConfig(), BlockManager(10_000, 4))
     build(big)
     expected, _ = run_until_done(big)
-    swap = SwapSpace(num_blocks * 2) if mode == "swap" else None
+    swap = HostBlockPool(num_blocks * 2) if mode == "swap" else None
     small = Scheduler(SchedulerConfig(preemption_mode=mode, max_num_batched_tokens=24), BlockManager(num_blocks, 4),
                       swap)
     return expected, small, build(small)
@@ -437,7 +437,7 @@ def test_a_failed_step_leaves_no_uncomputed_block_in_the_prefix_cache():
     assert sched.blocks.num_cached_blocks > 0  # its own computed blocks are cached now
 
 
-class Faulty(Request):
+class Faulty(Sequence):
     """A request whose handling raises where `fails_in` says, as a bug tied to one
     request's input would."""
 

@@ -209,8 +209,8 @@ def test_replace_pool_keeps_the_scheduler_consistent_and_outputs_unchanged():
     size, swap space); invariants hold every step and every request that fits gives the output
     of an undisturbed run."""
     from services.scheduler.block_manager import BlockManager
+    from services.scheduler.host_block_pool import HostBlockPool
     from services.scheduler.scheduler import Scheduler, SchedulerConfig
-    from services.scheduler.swap_space import SwapSpace
     from tests.test_scheduler import FakeExecutor, make, run_until_done
 
     def build(sched):
@@ -220,10 +220,10 @@ def test_replace_pool_keeps_the_scheduler_consistent_and_outputs_unchanged():
     big = Scheduler(SchedulerConfig(), BlockManager(1000, 4))
     build(big)
     expected, _ = run_until_done(big)
-    sched = Scheduler(SchedulerConfig(preemption_mode="swap"), BlockManager(64, 4), SwapSpace(64))
+    sched = Scheduler(SchedulerConfig(preemption_mode="swap"), BlockManager(64, 4), HostBlockPool(64))
     build(sched)
     got, _ = run_until_done(sched, until=lambda s: s.num_steps_total == 6)
-    ended = sched.replace_pool(BlockManager(7, 8), SwapSpace(20), SchedulerConfig(preemption_mode="swap"))
+    ended = sched.replace_pool(BlockManager(7, 8), HostBlockPool(20), SchedulerConfig(preemption_mode="swap"))
     sched.check_invariants()
     assert {r.request_id for r, _ in ended} == {"q5"}  # 20 + 40 tokens: 8 blocks of 8; the pool holds 7
     more, _ = run_until_done(sched, executor=FakeExecutor(8))

@@ -70,7 +70,7 @@ class BeamState:
 
 @dataclass(frozen=True)
 class Continuation:
-    parent: object  # the beam (a Request) being continued
+    parent: object  # the beam (a Sequence) being continued
     token: int
     cum_logprob: float
 

@@ -2,10 +2,12 @@
 
 Pure bookkeeping over block ids; it knows nothing about models, tensors or sockets.
 Each operation comes as a pair, a side-effect-free "can" and a "do" (`can_allocate`/
-`allocate`, `can_append`/`append_slots`), plus `fork` and `free`. A sequence is a
-`Request`-like object: a `block_table` (block i holds token positions
-[i * block_size, (i + 1) * block_size)), `num_computed_tokens`, its tokens, and a
-`block_hashes` list this class fills in.
+`allocate`, `can_append`/`append_slots`), plus `fork` and `free`. Of a sequence
+(`services/scheduler/sequence.py`'s `Sequence`, or any object with these fields) it reads
+and writes only its `block_table` (block i holds token positions
+[i * block_size, (i + 1) * block_size)), `num_computed_tokens`, its tokens (`num_tokens`,
+`token_ids(start, stop)`), the `block_hashes` list this class fills in, and optionally
+`cache_salt` and `no_cache_hits`.
 
 Prefix caching: a block full of computed tokens is registered under its digest,
 a SHA-256 chain over the sequence's tokens seeded by its cache salt
@@ -26,21 +28,12 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from shared.block_digest import chain_digests, root_digest
 
-
-class Sequence(Protocol):
-    block_table: list[int]
-    block_hashes: list[bytes]  # digests of its full blocks, filled in here
-    num_computed_tokens: int
-    # optional: cache_salt (str | None, default None), no_cache_hits (bool, default False)
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    def token_ids(self, start: int, stop: int) -> list[int]: ...
+if TYPE_CHECKING:
+    from services.scheduler.sequence import Sequence
 
 
 class BlockManager:

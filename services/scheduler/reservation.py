@@ -35,22 +35,15 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from services.scheduler.block_manager import BlockManager
-from shared.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from services.scheduler.sequence import Sequence
 
 RESERVE_POLICIES = ("reserve-max", "reserve-pow2", "reserve-oracle")
 POLICIES = ("paged", *RESERVE_POLICIES)
-
-
-class Sequence(Protocol):
-    block_table: list[int]
-    num_computed_tokens: int
-    params: SamplingParams
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
 
 
 def next_pow2(n: int) -> int:

@@ -40,8 +40,8 @@ from services.scheduler import beam_search
 from services.scheduler.beam_search import BeamState
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.executor_states import ExecutorStates
-from services.scheduler.request import Request, RequestStatus
-from services.scheduler.swap_space import SwapSpace
+from services.scheduler.host_block_pool import HostBlockPool
+from services.scheduler.sequence import Sequence, SequenceStatus
 from services.scheduler.token_history import TokenHistory
 from services.scheduler.validation import request_problem, token_limit
 from shared.messages import (
@@ -72,7 +72,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    request: Request
+    request: Sequence
     num_tokens: int
     restored: bool = False  # its computed KV comes back from swap space in this step
 
@@ -83,15 +83,15 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, swap: SwapSpace | None = None):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, swap: HostBlockPool | None = None):
         self.config = config
         self.blocks = block_manager
         self.swap = swap if config.preemption_mode == "swap" else None
         self.num_swapped_out_total = 0
         self.num_swapped_in_total = 0
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, list[Request]] = {}  # request id -> its live sequences
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its live sequences
         self.beams: dict[str, BeamState] = {}  # request id -> beam search state
         self.num_preemptions_total = 0
         self.num_steps_total = 0
@@ -101,9 +101,9 @@ class Scheduler:
         # random start: a late result for a step of a previous scheduler process (the
         # executor outlives it) never matches a step of this one
         self._next_step_id = random.getrandbits(48)
-        self._failed: list[Request] = []  # failed, not yet reported (see take_failed)
-        self._doomed: list[Request] = []  # failed while a step is being built: freed after it
-        self._swap_outs: dict[int, list[Request]] = {}  # step id -> sequences it swaps out, until answered
+        self._failed: list[Sequence] = []  # failed, not yet reported (see take_failed)
+        self._doomed: list[Sequence] = []  # failed while a step is being built: freed after it
+        self._swap_outs: dict[int, list[Sequence]] = {}  # step id -> sequences it swaps out, until answered
         self.held: set[bytes] = set()  # owners whose requests wait (backpressure)
         self.executor_states = ExecutorStates()  # what the executor holds of each sequence
         self._step_bytes = 0  # of the step being built, estimated
@@ -112,7 +112,7 @@ class Scheduler:
 
     # --- requests in and out -------------------------------------------------------
 
-    def check_fits(self, req: Request) -> str | None:
+    def check_fits(self, req: Sequence) -> str | None:
         """Why a request can never run on this pool, or None if it can."""
         problem = request_problem(req.prompt_token_ids, req.params, req.arrival_time, self.config.vocab_size,
                                   req.eos_token_ids)
@@ -138,7 +138,7 @@ class Scheduler:
             )
         return None
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Sequence) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = [req]
@@ -155,7 +155,7 @@ class Scheduler:
                     self.requests[req.request_id].append(sibling)
                     self.waiting.append(sibling)
 
-    def finish_request(self, request_id: str, reason: str, seq_index: int | None = None) -> Request | None:
+    def finish_request(self, request_id: str, reason: str, seq_index: int | None = None) -> Sequence | None:
         """End a request's sequences now (abort, stop string), or only one of them;
         frees their blocks. Returns a sequence of it, or None if it is unknown."""
         group = self.requests.get(request_id)
@@ -166,15 +166,15 @@ class Scheduler:
             self._finish(req, reason)
         return ended[0] if ended else group[0]
 
-    def _finish(self, req: Request, reason: str) -> None:
-        if req.status is RequestStatus.RUNNING:
+    def _finish(self, req: Sequence, reason: str) -> None:
+        if req.status is SequenceStatus.RUNNING:
             self.running.remove(req)
-        elif req.status is RequestStatus.WAITING:
+        elif req.status is SequenceStatus.WAITING:
             self.waiting.remove(req)
         self.blocks.free(req)
         if self.swap is not None:
             self.swap.free(req.swapped_blocks)
-        req.status = RequestStatus.FINISHED
+        req.status = SequenceStatus.FINISHED
         req.finish_reason = reason
         req.pending_forks = 0
         self.executor_states.release(req)
@@ -194,12 +194,12 @@ class Scheduler:
             self._doom(group[0], exc)
             self._release_doomed()
 
-    def take_failed(self) -> list[Request]:
+    def take_failed(self) -> list[Sequence]:
         """Requests that failed since the last call (finish_reason "error"), once each."""
         failed, self._failed = self._failed, []
         return failed
 
-    def _doom(self, req: Request, exc: BaseException) -> None:
+    def _doom(self, req: Sequence, exc: BaseException) -> None:
         """Take a failed request's sequences out of every queue; their blocks are freed by
         `_release_doomed`, after any step being built (which may not reuse them)."""
         log.error("request %s failed: %r", req.request_id, exc, exc_info=exc)
@@ -211,7 +211,7 @@ class Scheduler:
             for queue in (self.running, self.waiting):
                 if seq in queue:
                     queue.remove(seq)
-            seq.status = RequestStatus.FINISHED
+            seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "error"
             seq.pending_forks = 0
             self._doomed.append(seq)
@@ -227,7 +227,7 @@ class Scheduler:
                 log.exception("freeing the blocks of failed request %s", seq.request_id)
         self._doomed.clear()
 
-    def _preempt(self, req: Request, swap_out: list[tuple[int, int]] | None = None) -> None:
+    def _preempt(self, req: Sequence, swap_out: list[tuple[int, int]] | None = None) -> None:
         """Free a running request's blocks; swap its KV out if swap_out collects copies
         and there is room, else it is recomputed later."""
         if swap_out is not None and self.swap is not None and self.swap.can_swap_out(len(req.block_table)):
@@ -240,7 +240,7 @@ class Scheduler:
             req.num_computed_tokens = 0
         self.blocks.free(req)
         self.executor_states.release(req)
-        req.status = RequestStatus.WAITING
+        req.status = SequenceStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
@@ -259,8 +259,8 @@ class Scheduler:
         self.blocks.reset_cache()
         self.executor_states.reset()  # the executor restarted or lost steps: every state goes again
 
-    def replace_pool(self, blocks: BlockManager, swap: SwapSpace | None, config: SchedulerConfig,
-                     ) -> list[tuple[Request, str]]:
+    def replace_pool(self, blocks: BlockManager, swap: HostBlockPool | None, config: SchedulerConfig,
+                     ) -> list[tuple[Sequence, str]]:
         """Go on with another pool (block count, block size, swap space, context length):
         every request loses its KV and is recomputed there. Those the new pool can never
         hold end ("error") and are returned with why."""
@@ -285,21 +285,21 @@ class Scheduler:
         """Step step_id failed, maybe before its swaps ran: the host blocks it was to write
         hold nothing, so the sequences it swapped out free them and are recomputed."""
         for req in self._swap_outs.pop(step_id, []):
-            if req.status is RequestStatus.WAITING and req.swapped_blocks:
+            if req.status is SequenceStatus.WAITING and req.swapped_blocks:
                 self.swap.free(req.swapped_blocks)
                 req.num_computed_tokens = 0
 
-    def _fork(self, parent: Request) -> None:
+    def _fork(self, parent: Sequence) -> None:
         """Parallel samples share every block the parent has computed so far."""
         for i in range(parent.params.n - parent.pending_forks, parent.params.n):
             child = parent.spawn(i)
             self.blocks.fork(parent, child)
-            child.status = RequestStatus.RUNNING
+            child.status = SequenceStatus.RUNNING
             self.requests[parent.request_id].append(child)
             self.running.append(child)
         parent.pending_forks = 0
 
-    def fail_rows(self, chunks: list[ScheduledChunk], failed: list[FailedRow]) -> list[tuple[Request, FailedRow]]:
+    def fail_rows(self, chunks: list[ScheduledChunk], failed: list[FailedRow]) -> list[tuple[Sequence, FailedRow]]:
         """End the requests of the step's rows the executor failed alone, before the result is
         applied (their rows are then skipped); a request with several failed rows ends once.
         Returns each ended request with the row that ended it."""
@@ -416,7 +416,7 @@ class Scheduler:
         self._admit_waiting(budget, admitted, swap_in)
         return self._assemble(chunks + admitted, seqs + self._seqs(admitted), copies, [], swap_in)
 
-    def _ahead_of(self, in_flight: list[ScheduledChunk]) -> list[tuple[Request, int]] | None:
+    def _ahead_of(self, in_flight: list[ScheduledChunk]) -> list[tuple[Sequence, int]] | None:
         """The running sequences `schedule_ahead` can step, each with the position its next
         token goes to; None when one of them must wait for the result in flight."""
         sampling = {id(c.request): c for c in in_flight if c.samples}
@@ -432,7 +432,7 @@ class Scheduler:
                 going.append((req, req.num_computed_tokens + chunk.num_tokens))
         return going
 
-    def _ahead_seq(self, req: Request, start: int) -> ScheduledSeq:
+    def _ahead_seq(self, req: Sequence, start: int) -> ScheduledSeq:
         seq = ScheduledSeq(
             request_id=req.request_id,
             token_ids=[PREVIOUS_TOKEN],
@@ -451,7 +451,7 @@ class Scheduler:
         self._step_bytes = 0
         self._step_new.clear()
 
-    def _fits_bytes(self, req: Request, num_tokens: int) -> bool:
+    def _fits_bytes(self, req: Sequence, num_tokens: int) -> bool:
         """Whether a chunk of num_tokens of req keeps the step being built under max_step_bytes
         (then it is counted). A step's first chunk always fits: admission saw that it can."""
         cost = self.executor_states.seq_cost(req, num_tokens, self.blocks.block_size, self._step_new)
@@ -507,12 +507,12 @@ class Scheduler:
         self._next_step_id += 1
         return step, chunks
 
-    def _next_waiting(self) -> Request | None:
+    def _next_waiting(self) -> Sequence | None:
         if not self.held:
             return self.waiting[0]
         return next((r for r in self.waiting if r.reply_to not in self.held), None)
 
-    def _admit(self, req: Request, budget: int, chunks: list[ScheduledChunk], swap_in: list[tuple[int, int]]) -> bool:
+    def _admit(self, req: Sequence, budget: int, chunks: list[ScheduledChunk], swap_in: list[tuple[int, int]]) -> bool:
         """Start the first waiting sequence if it fits (or make room by preempting an
         idle beam); False when nothing more can be admitted this step."""
         restoring = bool(req.swapped_blocks)
@@ -537,7 +537,7 @@ class Scheduler:
             if req.num_preemptions == 0 and not req.num_output_tokens:
                 req.num_cached_tokens = req.num_computed_tokens
         self.waiting.remove(req)
-        req.status = RequestStatus.RUNNING
+        req.status = SequenceStatus.RUNNING
         self.running.append(req)
         if n == 0:  # the cache already holds everything before the fork point
             self._fork(req)
@@ -554,18 +554,18 @@ class Scheduler:
             self._yield_idle_beam(idle)
         return idle is not None
 
-    def _idle_beam(self, chunks: list[ScheduledChunk]) -> Request | None:
+    def _idle_beam(self, chunks: list[ScheduledChunk]) -> Sequence | None:
         scheduled = {id(c.request) for c in chunks}
         return next((r for r in reversed(self.running) if r.candidates is not None and id(r) not in scheduled), None)
 
-    def _yield_idle_beam(self, req: Request) -> None:
+    def _yield_idle_beam(self, req: Sequence) -> None:
         self.running.remove(req)
         self._preempt(req)
         self.waiting.remove(req)
         self.waiting.append(req)
 
     @staticmethod
-    def _chunk_size(req: Request, computed: int, budget: int) -> int:
+    def _chunk_size(req: Sequence, computed: int, budget: int) -> int:
         """Tokens to compute this step; a sequence about to fork stops at its fork point."""
         n = min(req.num_tokens - computed, budget)
         if req.pending_forks:
@@ -603,12 +603,12 @@ class Scheduler:
     def process_results(
         self, chunks: list[ScheduledChunk], sampled: list[int], top_logprobs: list[list[tuple[int, float]]] = (),
         logprobs: list[TokenLogprob] = (), prompt_logprobs: list[list[TokenLogprob]] = (),
-    ) -> list[tuple[Request, TokenDelta]]:
+    ) -> list[tuple[Sequence, TokenDelta]]:
         """Apply one step's sampled tokens (and beams' candidates, the sampled tokens' logprobs
         and the scored prompt positions, each given in step order for the sequences that have
         them); returns the deltas to send, by request."""
         self.num_steps_total += 1
-        out: list[tuple[Request, TokenDelta]] = []
+        out: list[tuple[Sequence, TokenDelta]] = []
         candidates, token_lps, scored = iter(top_logprobs), iter(logprobs), iter(prompt_logprobs)
         touched_beams = set()
         for chunk, token in zip(chunks, sampled, strict=True):
@@ -618,7 +618,7 @@ class Scheduler:
             token_lp = (next(token_lps) if samples and req.sampling.logprobs is not None
                         and not req.params.use_beam_search else None)
             positions = next(scored) if req.score_targets(req.num_computed_tokens, chunk.num_tokens) else None
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not SequenceStatus.RUNNING:
                 continue  # aborted, finished, failed or preempted while the step ran
             try:
                 if positions is not None:
@@ -677,7 +677,7 @@ class Scheduler:
                 delta.prompt_logprobs = req.prompt_logprobs
         return delta
 
-    def _first_of_request(self, req: Request) -> bool:
+    def _first_of_request(self, req: Sequence) -> bool:
         """Whether this is the request's first delta among its samples (counted if so)."""
         if req.params.n == 1:
             return True
@@ -686,7 +686,7 @@ class Scheduler:
         self._prompt_logprobs_sent.add(req.request_id)
         return True
 
-    def _advance_beams(self, request_id: str) -> list[tuple[Request, TokenDelta]]:
+    def _advance_beams(self, request_id: str) -> list[tuple[Sequence, TokenDelta]]:
         """Once every live beam has its candidates: choose the next beams, fork and drop
         sequences to match, and end the search when it is done."""
         state, group = self.beams.get(request_id), self.requests.get(request_id, [])
@@ -700,7 +700,7 @@ class Scheduler:
             return (tok in first.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids
 
         chosen = beam_search.select(state, live, is_end)
-        continued: list[Request] = []
+        continued: list[Sequence] = []
         for c in chosen:  # fork first: a child copies its parent's state before the parent moves
             beam = c.parent
             if beam in continued:
@@ -710,8 +710,8 @@ class Scheduler:
                 self.blocks.fork(c.parent, beam)
                 if not c.parent.block_table:  # the parent was preempted: so is its child
                     beam.num_computed_tokens = 0
-                beam.status = c.parent.status if c.parent.block_table else RequestStatus.WAITING
-                (self.running if beam.status is RequestStatus.RUNNING else self.waiting).append(beam)
+                beam.status = c.parent.status if c.parent.block_table else SequenceStatus.WAITING
+                (self.running if beam.status is SequenceStatus.RUNNING else self.waiting).append(beam)
                 self.requests[request_id].append(beam)
             continued.append(beam)
         for beam, c in zip(continued, chosen, strict=True):
@@ -769,6 +769,6 @@ class Scheduler:
         if self.swap is not None:
             self.swap.check_invariants([r.swapped_blocks for r in live])
         # a swap-out whose step is not answered yet is not swapped back in
-        assert not any(r.status is RequestStatus.RUNNING for reqs in self._swap_outs.values() for r in reqs)
+        assert not any(r.status is SequenceStatus.RUNNING for reqs in self._swap_outs.values() for r in reqs)
         assert set(self.running) | set(self.waiting) == set(live)
         assert len(self.running) + len(self.waiting) == len(live)

@@ -43,15 +43,15 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from services.scheduler.host_block_pool import HostBlockPool
 from services.scheduler.kv_accounting import kv_usage
 from services.scheduler.outbox import Outbox
 from services.scheduler.pool_snapshot import pool_snapshot
 from services.scheduler.pool_watch import PoolWatch
-from services.scheduler.request import Request
 from services.scheduler.reservation import POLICIES as KV_POLICIES
 from services.scheduler.reservation import make_allocator
 from services.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from services.scheduler.swap_space import SwapSpace
+from services.scheduler.sequence import Sequence
 from shared.config import Addresses, add_address_args, add_log_args
 from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
@@ -185,7 +185,7 @@ class SchedulerService:
             log.warning("--preemption-mode swap without executor swap space: preempted requests recompute")
         blocks = make_allocator(self.args.kv_policy, msg.num_kv_blocks, msg.block_size, max_len,
                                 self.args.prefix_caching)
-        return config, blocks, SwapSpace(msg.num_swap_blocks)
+        return config, blocks, HostBlockPool(msg.num_swap_blocks)
 
     def on_executor_ready(self, msg: ExecutorReady) -> None:
         if msg.instance and msg.instance == self.executor_instance and self.executor_lost is None:
@@ -286,7 +286,7 @@ class SchedulerService:
         if self.scheduler is None:
             self.pending.append((peer, msg))
             return
-        req = Request(msg.request_id, list(msg.prompt_token_ids), msg.params, frozenset(msg.eos_token_ids),
+        req = Sequence(msg.request_id, list(msg.prompt_token_ids), msg.params, frozenset(msg.eos_token_ids),
                       msg.arrival_time, reply_to=peer, compiled_grammar=msg.compiled_grammar)
         problem = self.scheduler.check_fits(req)
         if problem is None and msg.request_id in self.scheduler.requests:

@@ -15,14 +15,14 @@ import msgspec
 from shared.messages import SamplingParams, SeqSampling, TokenLogprob
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
 @dataclass(eq=False)
-class Request:
+class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -34,7 +34,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # digests of full blocks, for the prefix cache
     swapped_blocks: list[int] = field(default_factory=list)  # host blocks while swapped out
     num_computed_tokens: int = 0
-    status: RequestStatus = RequestStatus.WAITING
+    status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
     seq_index: int = 0  # which of the request's n parallel samples this sequence is
@@ -52,10 +52,10 @@ class Request:
         computes that token itself (and copies the shared partial block on write)."""
         return self.num_prompt_tokens - 1
 
-    def spawn(self, seq_index: int) -> Request:
+    def spawn(self, seq_index: int) -> Sequence:
         """A sibling sample: same prompt, its own seed, no blocks (fork shares them)."""
         seed = None if self.params.seed is None else self.params.seed + seq_index
-        return Request(
+        return Sequence(
             self.request_id, self.prompt_token_ids, msgspec.structs.replace(self.params, seed=seed),
             self.eos_token_ids, self.arrival_time, reply_to=self.reply_to,
             block_hashes=list(self.block_hashes), seq_index=seq_index, prompt_logprobs=self.prompt_logprobs,
@@ -81,7 +81,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     @property
     def max_total_tokens(self) -> int:
