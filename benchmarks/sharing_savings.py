@@ -54,7 +54,7 @@ def run(dataset: str, mode: str, k: int, rate: float, duration: float, seed: int
             continue
         step, chunks = scheduled
         dt = step_time(chunks)
-        live = [r for group in sched.requests.values() for r in group if not r.is_finished]
+        live = [r for group in sched.groups.values() for r in group.live]
         entries = sum(len(r.block_table) for r in live)
         if t >= warmup and entries:
             weighted += dt * (1 - sched.blocks.num_used_blocks / entries)

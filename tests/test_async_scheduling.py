@@ -119,7 +119,7 @@ def test_a_sequence_that_stops_early_wastes_one_step_and_sends_nothing_after_its
     expected, want_finish = run_until_done(sync)
     got, finish, _ = run_pipelined(pipe)
     assert got == expected and finish == want_finish and set(finish.values()) == {"stop"}
-    assert pipe.blocks.num_used_blocks == 0 and not pipe.requests
+    assert pipe.blocks.num_used_blocks == 0 and not pipe.groups
 
 
 def test_no_step_ahead_of_a_prompt_chunk_a_fork_penalties_or_beams():
@@ -183,7 +183,7 @@ def test_aborts_and_holds_between_results_keep_outputs_and_the_pool_right():
     assert "h2" not in finish and ahead > 0
     for rid in ("h0", "h1", "h3", "h4"):
         assert got[rid] == expected[rid] and finish[rid] == "length"
-    assert pipe.blocks.num_used_blocks == 0 and not pipe.requests
+    assert pipe.blocks.num_used_blocks == 0 and not pipe.groups
 
 
 @settings(max_examples=40, deadline=None)

@@ -70,8 +70,9 @@ class StatefulExecutor(FakeExecutor):
     def _requests(self, step):
         if self.chunks is not None:
             return [c.request for c in self.chunks]
-        groups = self.sched.requests
-        return [next((r for r in groups.get(s.request_id, []) if r.seq_index == s.seq_index), None)
+        groups = self.sched.groups
+        return [next((r for r in (groups[s.request_id].seqs if s.request_id in groups else [])
+                      if r.seq_index == s.seq_index), None)
                 for s in step.seqs]
 
 
@@ -107,7 +108,7 @@ def test_the_second_step_of_a_request_with_huge_sampling_is_small():
     for i in range(4):
         sched.add_request(request(f"h{i}", 20, hostile_params(n=4, allowed=8192, bias=256, words=64)))
     executor = StatefulExecutor(sched)
-    huge = len(msgspec.msgpack.encode(sched.requests["h0"][0].sampling))
+    huge = len(msgspec.msgpack.encode(sched.groups["h0"].seqs[0].sampling))
     assert huge > 25_000
     outputs = run(sched, executor)
     # the first step carries each request's sampling once; after it, a few hundred bytes a sequence
@@ -211,7 +212,7 @@ def test_a_step_naming_a_sequence_the_executor_does_not_hold_fails_that_row_alon
     failed = states.fill(wire)
     assert [row.index for row in failed] == [0] and failed[0].status == 500
     assert "holds no sampling state" in failed[0].message
-    assert wire.seqs[1].sampling == sched.requests["b"][0].sampling
+    assert wire.seqs[1].sampling == sched.groups["b"].seqs[0].sampling
 
 
 def test_steps_built_ahead_carry_no_state_twice():

@@ -37,12 +37,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.scheduler import beam_search
-from services.scheduler.beam_search import BeamState
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.executor_states import ExecutorStates
 from services.scheduler.host_block_pool import HostBlockPool
-from services.scheduler.sequence import Sequence, SequenceStatus
-from services.scheduler.token_history import TokenHistory
+from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 from services.scheduler.validation import request_problem, token_limit
 from shared.messages import (
     PREVIOUS_TOKEN,
@@ -91,8 +89,7 @@ class Scheduler:
         self.num_swapped_in_total = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.requests: dict[str, list[Sequence]] = {}  # request id -> its live sequences
-        self.beams: dict[str, BeamState] = {}  # request id -> beam search state
+        self.groups: dict[str, SequenceGroup] = {}  # request id -> its samples or beams
         self.num_preemptions_total = 0
         self.num_steps_total = 0
         self.decode_steps_total = 0
@@ -108,7 +105,6 @@ class Scheduler:
         self.executor_states = ExecutorStates()  # what the executor holds of each sequence
         self._step_bytes = 0  # of the step being built, estimated
         self._step_new: set[str] = set()  # requests whose state the step being built carries
-        self._prompt_logprobs_sent: set[str] = set()  # requests (n > 1) whose first delta went out
 
     # --- requests in and out -------------------------------------------------------
 
@@ -138,33 +134,24 @@ class Scheduler:
             )
         return None
 
-    def add_request(self, req: Sequence) -> None:
-        if req.request_id in self.requests:
+    def add_request(self, req: Sequence) -> SequenceGroup:
+        """Queue a new request, given as its first sequence; returns its group."""
+        if req.request_id in self.groups:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        self.requests[req.request_id] = [req]
-        self.waiting.append(req)
-        if req.params.use_beam_search:
-            self.beams[req.request_id] = BeamState(req.params.beam_width, req.params.length_penalty)
-            req.output_token_ids = TokenHistory(req.output_token_ids)  # forks share it
-        elif req.params.n > 1:
-            if req.fork_at > 0:
-                req.pending_forks = req.params.n - 1
-            else:  # nothing to share: the samples start out on their own
-                for i in range(1, req.params.n):
-                    sibling = req.spawn(i)
-                    self.requests[req.request_id].append(sibling)
-                    self.waiting.append(sibling)
+        group = self.groups[req.request_id] = SequenceGroup.start(req)
+        self.waiting.extend(group.seqs)
+        return group
 
     def finish_request(self, request_id: str, reason: str, seq_index: int | None = None) -> Sequence | None:
         """End a request's sequences now (abort, stop string), or only one of them;
         frees their blocks. Returns a sequence of it, or None if it is unknown."""
-        group = self.requests.get(request_id)
+        group = self.groups.get(request_id)
         if group is None:
             return None
-        ended = [r for r in group if seq_index is None or r.seq_index == seq_index]
+        ended = [r for r in group.seqs if seq_index is None or r.seq_index == seq_index]
         for req in ended:
             self._finish(req, reason)
-        return ended[0] if ended else group[0]
+        return ended[0] if ended else group.seqs[0]
 
     def _finish(self, req: Sequence, reason: str) -> None:
         if req.status is SequenceStatus.RUNNING:
@@ -178,20 +165,18 @@ class Scheduler:
         req.finish_reason = reason
         req.pending_forks = 0
         self.executor_states.release(req)
-        group = self.requests.get(req.request_id)
-        if group is not None and all(r.is_finished for r in group):
-            del self.requests[req.request_id]
-            self.beams.pop(req.request_id, None)
-            self._prompt_logprobs_sent.discard(req.request_id)
-        elif group is not None and req.request_id in self.beams:
-            group.remove(req)  # a dropped beam: its search no longer needs it
+        group = self.groups.get(req.request_id)
+        if group is not None and group.is_finished:
+            del self.groups[req.request_id]
+        elif group is not None and group.beam is not None:
+            group.seqs.remove(req)  # a dropped beam: its search no longer needs it
 
     def fail_request(self, request_id: str, exc: BaseException) -> None:
         """End a request whose handling raised: every sequence, blocks freed; reported
         by `take_failed`."""
-        group = self.requests.get(request_id)
-        if group:
-            self._doom(group[0], exc)
+        group = self.groups.get(request_id)
+        if group is not None and group.seqs:
+            self._doom(group.seqs[0], exc)
             self._release_doomed()
 
     def take_failed(self) -> list[Sequence]:
@@ -203,10 +188,9 @@ class Scheduler:
         """Take a failed request's sequences out of every queue; their blocks are freed by
         `_release_doomed`, after any step being built (which may not reuse them)."""
         log.error("request %s failed: %r", req.request_id, exc, exc_info=exc)
-        group = self.requests.pop(req.request_id, None) or [req]
-        self.beams.pop(req.request_id, None)
-        self._prompt_logprobs_sent.discard(req.request_id)
-        for seq in group if req in group else [*group, req]:
+        group = self.groups.pop(req.request_id, None)
+        seqs = group.seqs if group is not None else [req]
+        for seq in seqs if req in seqs else [*seqs, req]:
             self.executor_states.release(seq)
             for queue in (self.running, self.waiting):
                 if seq in queue:
@@ -268,13 +252,14 @@ class Scheduler:
         self.blocks, self.config = blocks, config
         self.swap = swap if config.preemption_mode == "swap" else None
         ended = []
-        for request_id, group in list(self.requests.items()):
-            for seq in group:
+        for request_id, group in list(self.groups.items()):
+            for seq in group.seqs:
                 seq.block_hashes.clear()  # digests of blocks of the old size
-            problem = self.check_fits(group[0])
+            first = group.seqs[0]
+            problem = self.check_fits(first)
             if problem is not None:
                 self.finish_request(request_id, "error")
-                ended.append((group[0], problem))
+                ended.append((first, problem))
         return ended
 
     def confirm_swaps(self, step_id: int) -> None:
@@ -295,7 +280,7 @@ class Scheduler:
             child = parent.spawn(i)
             self.blocks.fork(parent, child)
             child.status = SequenceStatus.RUNNING
-            self.requests[parent.request_id].append(child)
+            self.groups[parent.request_id].seqs.append(child)
             self.running.append(child)
         parent.pending_forks = 0
 
@@ -306,7 +291,8 @@ class Scheduler:
         out = []
         for row in failed:
             req = chunks[row.index].request
-            if req.is_finished or req not in self.requests.get(req.request_id, ()):
+            group = self.groups.get(req.request_id)
+            if req.is_finished or group is None or req not in group.seqs:
                 continue  # it ended while the step ran
             log.warning("request %s failed in the executor (%d): %s", req.request_id, row.status, row.message)
             ended = self.finish_request(req.request_id, "error")
@@ -681,59 +667,39 @@ class Scheduler:
         """Whether this is the request's first delta among its samples (counted if so)."""
         if req.params.n == 1:
             return True
-        if req.request_id in self._prompt_logprobs_sent:
-            return False
-        self._prompt_logprobs_sent.add(req.request_id)
-        return True
+        group = self.groups[req.request_id]
+        first, group.first_delta_sent = not group.first_delta_sent, True
+        return first
 
     def _advance_beams(self, request_id: str) -> list[tuple[Sequence, TokenDelta]]:
-        """Once every live beam has its candidates: choose the next beams, fork and drop
-        sequences to match, and end the search when it is done."""
-        state, group = self.beams.get(request_id), self.requests.get(request_id, [])
-        live = [r for r in group if not r.is_finished]
-        if state is None or not live or any(r.candidates is None for r in live):
+        """Once every live beam has its candidates: step the search (`beam_search.advance`),
+        end the beams it dropped, and the search when it is done."""
+        group = self.groups.get(request_id)
+        live = group.live if group is not None and group.beam is not None else []
+        if not live or any(r.candidates is None for r in live):
             return []
         first = live[0]
-        params = first.params
-
-        def is_end(tok: int) -> bool:
-            return (tok in first.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids
-
-        chosen = beam_search.select(state, live, is_end)
-        continued: list[Sequence] = []
-        for c in chosen:  # fork first: a child copies its parent's state before the parent moves
-            beam = c.parent
-            if beam in continued:
-                beam = beam.spawn(state.next_seq_index)
-                state.next_seq_index += 1
-                beam.output_token_ids = c.parent.output_token_ids.fork()
-                self.blocks.fork(c.parent, beam)
-                if not c.parent.block_table:  # the parent was preempted: so is its child
-                    beam.num_computed_tokens = 0
-                beam.status = c.parent.status if c.parent.block_table else SequenceStatus.WAITING
-                (self.running if beam.status is SequenceStatus.RUNNING else self.waiting).append(beam)
-                self.requests[request_id].append(beam)
-            continued.append(beam)
-        for beam, c in zip(continued, chosen, strict=True):
-            beam.output_token_ids.append(c.token)
-            beam.cum_logprob = c.cum_logprob
-            beam.candidates = None
-        for beam in live:
-            if beam not in continued:
-                self._finish(beam, "dropped")
-        length = len(continued[0].output_token_ids) if continued else 0
-        out_of_room = continued and continued[0].stop_reason(self.config.max_model_len) == "length"
-        best = max((b.cum_logprob for b in continued), default=float("-inf"))
-        if continued and not out_of_room and not state.is_done(best, length):
+        continued, dropped, done = beam_search.advance(group.beam, live, self._fork_beam, self.config.max_model_len)
+        for beam in dropped:
+            self._finish(beam, "dropped")
+        if not done:
             return []
-        for beam in continued:
-            score = beam_search.beam_score(beam.cum_logprob, length, state.length_penalty)
-            if state.would_keep(score):
-                state.add_finished(beam_search.Hypothesis(score, beam.output_token_ids, "length"))
         for beam in continued:
             self._finish(beam, "length")
         return [(first, TokenDelta(request_id, list(hyp.token_ids), first.num_prompt_tokens, hyp.finish_reason, i))
-                for i, hyp in enumerate(state.finished[: params.n])]
+                for i, hyp in enumerate(group.beam.finished[: group.params.n])]
+
+    def _fork_beam(self, parent: Sequence, seq_index: int) -> Sequence:
+        """A second beam continuing parent: its blocks shared, its output history forked."""
+        beam = parent.spawn(seq_index)
+        beam.output_token_ids = parent.output_token_ids.fork()
+        self.blocks.fork(parent, beam)
+        if not parent.block_table:  # the parent was preempted: so is its child
+            beam.num_computed_tokens = 0
+        beam.status = parent.status if parent.block_table else SequenceStatus.WAITING
+        (self.running if beam.status is SequenceStatus.RUNNING else self.waiting).append(beam)
+        self.groups[parent.request_id].seqs.append(beam)
+        return beam
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -762,7 +728,7 @@ class Scheduler:
             self.decode_forward_seconds_total += forward_s
 
     def check_invariants(self) -> None:
-        live = [r for group in self.requests.values() for r in group if not r.is_finished]
+        live = [r for group in self.groups.values() for r in group.live]
         self.blocks.check_invariants(r.block_table for r in live)
         for r in self.waiting:
             assert not r.block_table and (r.num_computed_tokens == 0 or r.swapped_blocks)

@@ -269,7 +269,7 @@ class SchedulerService:
 
     def _fail(self, request_id: str, peer: bytes, exc: Exception) -> None:
         """A message about one request raised: that request fails, nothing else."""
-        if self.scheduler is not None and request_id in self.scheduler.requests:
+        if self.scheduler is not None and request_id in self.scheduler.groups:
             self.scheduler.fail_request(request_id, exc)
             self._report_failures()
         else:
@@ -289,7 +289,7 @@ class SchedulerService:
         req = Sequence(msg.request_id, list(msg.prompt_token_ids), msg.params, frozenset(msg.eos_token_ids),
                       msg.arrival_time, reply_to=peer, compiled_grammar=msg.compiled_grammar)
         problem = self.scheduler.check_fits(req)
-        if problem is None and msg.request_id in self.scheduler.requests:
+        if problem is None and msg.request_id in self.scheduler.groups:
             problem = f"request id {msg.request_id!r} is already in use"
         if problem is not None:
             self._reply(peer, RequestError(msg.request_id, 400, problem))
@@ -348,7 +348,7 @@ class SchedulerService:
             return
         self.scheduler.held = self.outbox.held
         for peer in self.outbox.stalled():
-            owned = [rid for rid, group in self.scheduler.requests.items() if group[0].reply_to == peer]
+            owned = [rid for rid, group in self.scheduler.groups.items() if group.reply_to == peer]
             log.error("tokenizer replica %r has read nothing for %.0f s (%d replies waiting): failing its %d requests",
                       peer, STALL_TIMEOUT_S, self.outbox.backlog(peer), len(owned))
             for rid in owned:
