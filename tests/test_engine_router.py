@@ -30,7 +30,7 @@ def test_prefix_hashes_are_the_block_managers_chain():
         assert len(hashes) == 2  # only full blocks
         req = Sequence("r", ids, SamplingParams(cache_salt=salt), frozenset(), 0.0)
         bm = BlockManager(8, 16)
-        bm.allocate(req, 40)
+        bm.allocate_slots(req, 40, [])
         req.num_computed_tokens = 40
         bm.commit(req, 0, 40)
         assert req.block_hashes == hashes

@@ -90,9 +90,9 @@ def test_a_scoring_request_takes_no_cache_hits_until_scored():
     sched.add_request(Sequence("a", prompt, SamplingParams(max_tokens=1), frozenset({EOS}), 0.0))
     run(sched)
     scoring = request("b", prompt)
-    assert scoring.no_cache_hits and sched.blocks.num_cached_tokens(scoring) == 0
+    assert scoring.no_cache_hits and sched.blocks.get_computed_blocks(scoring) == []
     plain = Sequence("c", prompt, SamplingParams(max_tokens=1), frozenset({EOS}), 0.0)
-    assert sched.blocks.num_cached_tokens(plain) > 0
+    assert sched.blocks.get_computed_blocks(plain) != []
     sched.add_request(scoring)
     firsts = run(sched)
     assert [e.logprob for e in firsts["b"]] == expected(prompt)

@@ -440,13 +440,24 @@ class Scheduler:
     def _fits_bytes(self, req: Sequence, num_tokens: int) -> bool:
         """Whether a chunk of num_tokens of req keeps the step being built under max_step_bytes
         (then it is counted). A step's first chunk always fits: admission saw that it can."""
+        cost = self._step_cost(req, num_tokens)
+        if cost is None:
+            return False
+        self._count_step_cost(req, cost)
+        return True
+
+    def _step_cost(self, req: Sequence, num_tokens: int) -> int | None:
+        """The estimated bytes a chunk of num_tokens of req adds to the step being built, or
+        None if they would take it past max_step_bytes; nothing is counted yet."""
         cost = self.executor_states.seq_cost(req, num_tokens, self.blocks.block_size, self._step_new)
         if self._step_bytes and self._step_bytes + cost > self.config.max_step_bytes:
-            return False
+            return None
+        return cost
+
+    def _count_step_cost(self, req: Sequence, cost: int) -> None:
         self._step_bytes += cost
         if not self.executor_states.holds_request(req.request_id):
             self._step_new.add(req.request_id)
-        return True
 
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk], swap_in: list[tuple[int, int]]) -> None:
         """Admit waiting sequences in order while the budget, the running cap and the pool allow."""
@@ -506,20 +517,23 @@ class Scheduler:
             return False  # its swap-out is in the step in flight, not known to be done
         if restoring:
             n = self._chunk_size(req, req.num_computed_tokens, budget)
-            fits = self.blocks.can_restore(req, n)
-        else:
-            n = self._chunk_size(req, self.blocks.num_cached_tokens(req), budget)
-            fits = self.blocks.can_allocate(req, n)
-        if not fits:
-            return self._preempt_idle_beam(chunks)
-        if n and not self._fits_bytes(req, n):
-            return False
-        if restoring:
+            if not self.blocks.can_restore(req, n):
+                return self._preempt_idle_beam(chunks)
+            if n and not self._fits_bytes(req, n):
+                return False
             swap_in.extend(zip(req.swapped_blocks, self.blocks.restore(req, n), strict=True))
             self.swap.free(req.swapped_blocks)
             self.num_swapped_in_total += 1
         else:
-            self.blocks.allocate(req, n)  # takes the cached prefix: num_computed_tokens moves
+            computed = self.blocks.get_computed_blocks(req)  # the one prefix lookup of this admission
+            n = self._chunk_size(req, len(computed) * self.blocks.block_size, budget)
+            cost = self._step_cost(req, n) if n else None
+            if n and cost is None:  # over the step's bytes: checked before anything is allocated
+                return False
+            if self.blocks.allocate_slots(req, n, computed) is None:
+                return self._preempt_idle_beam(chunks)
+            if n:
+                self._count_step_cost(req, cost)
             if req.num_preemptions == 0 and not req.num_output_tokens:
                 req.num_cached_tokens = req.num_computed_tokens
         self.waiting.remove(req)
