@@ -105,8 +105,8 @@ def finding_steps(num_steps: int = 4) -> list[tuple[int, int, int]]:
     for _ in range(num_steps):
         step, chunks = sched.schedule()
         whole = msgspec.structs.replace(step, seqs=[
-            msgspec.structs.replace(s, sampling=c.request.sampling, output_start=0,
-                                    output_token_ids=list(c.request.output_token_ids))
+            msgspec.structs.replace(s, sampling=c.sequence.sampling, output_start=0,
+                                    output_token_ids=list(c.sequence.output_token_ids))
             for s, c in zip(step.seqs, chunks, strict=True)])
         out.append((len(step.seqs), len(encoder.encode(step)), len(encoder.encode(whole))))
         sched.process_results(chunks, [5 if c.samples else -1 for c in chunks])

@@ -69,7 +69,7 @@ class StatefulExecutor(FakeExecutor):
 
     def _requests(self, step):
         if self.chunks is not None:
-            return [c.request for c in self.chunks]
+            return [c.sequence for c in self.chunks]
         groups = self.sched.groups
         return [next((r for r in (groups[s.request_id].seqs if s.request_id in groups else [])
                       if r.seq_index == s.seq_index), None)

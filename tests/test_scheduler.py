@@ -385,7 +385,7 @@ def test_rows_the_executor_fails_end_their_requests_alone(specs, mode, num_block
         step, chunks = scheduled
         sampled = executor.execute(step)
         failed = [FailedRow(i, 400, "no token") for i, c in enumerate(chunks)
-                  if c.samples and c.request.request_id in doomed and rng.random() < 0.3]
+                  if c.samples and c.sequence.request_id in doomed and rng.random() < 0.3]
         for f in failed:
             sampled[f.index] = -1
         for req, row in small.fail_rows(chunks, failed):

@@ -1,5 +1,10 @@
 """Iteration-level continuous batching over a paged KV pool.
 
+In the paper's words (`sequence.py`): a request is a `SequenceGroup` (`groups`, by request
+id) of one or more `Sequence`s (its n parallel samples or its beams), and the queues hold
+sequences. A new sequence is admitted with one prefix-cache lookup
+(`BlockManager.get_computed_blocks`) handed to its allocation (`allocate_slots`, None when
+it does not fit); the host blocks of swapped-out sequences are a `HostBlockPool`.
 Every step: running requests first (each needs its next token, or the next chunk
 of its prompt), then waiting requests in arrival order while the token budget, the
 running-request cap and free blocks allow. When blocks run out, the newest running
@@ -70,13 +75,13 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    request: Sequence
+    sequence: Sequence
     num_tokens: int
     restored: bool = False  # its computed KV comes back from swap space in this step
 
     @property
     def samples(self) -> bool:
-        r = self.request
+        r = self.sequence
         return r.num_computed_tokens + self.num_tokens == r.num_tokens
 
 
@@ -290,7 +295,7 @@ class Scheduler:
         Returns each ended request with the row that ended it."""
         out = []
         for row in failed:
-            req = chunks[row.index].request
+            req = chunks[row.index].sequence
             group = self.groups.get(req.request_id)
             if req.is_finished or group is None or req not in group.seqs:
                 continue  # it ended while the step ran
@@ -405,7 +410,7 @@ class Scheduler:
     def _ahead_of(self, in_flight: list[ScheduledChunk]) -> list[tuple[Sequence, int]] | None:
         """The running sequences `schedule_ahead` can step, each with the position its next
         token goes to; None when one of them must wait for the result in flight."""
-        sampling = {id(c.request): c for c in in_flight if c.samples}
+        sampling = {id(c.sequence): c for c in in_flight if c.samples}
         going = []
         for req in self.running:
             if req.reply_to in self.held:
@@ -471,20 +476,20 @@ class Scheduler:
             except Exception as exc:
                 self._doom(req, exc)
                 continue
-            if chunks and chunks[-1].request is req:
+            if chunks and chunks[-1].sequence is req:
                 budget -= chunks[-1].num_tokens
 
     def _seqs(self, chunks: list[ScheduledChunk]) -> list[ScheduledSeq | None]:
         """The step's entries of these chunks; None for one whose request failed building it."""
         seqs = []
         for c in chunks:
-            if c.request.is_finished:  # a sibling failed before it: dropped from the step
+            if c.sequence.is_finished:  # a sibling failed before it: dropped from the step
                 seqs.append(None)
                 continue
             try:
                 seqs.append(self._seq(c))
             except Exception as exc:
-                self._doom(c.request, exc)
+                self._doom(c.sequence, exc)
                 seqs.append(None)
         return seqs
 
@@ -493,7 +498,7 @@ class Scheduler:
                   ) -> tuple[ExecuteStep, list[ScheduledChunk]] | None:
         # A failure drops every chunk of its request; the failed request's blocks are
         # freed only now, so no other sequence of this step was given one of them.
-        kept = [(seq, c) for seq, c in zip(seqs, chunks, strict=True) if not c.request.is_finished]
+        kept = [(seq, c) for seq, c in zip(seqs, chunks, strict=True) if not c.sequence.is_finished]
         self._release_doomed()
         if not kept and not swap_out:
             return None
@@ -555,7 +560,7 @@ class Scheduler:
         return idle is not None
 
     def _idle_beam(self, chunks: list[ScheduledChunk]) -> Sequence | None:
-        scheduled = {id(c.request) for c in chunks}
+        scheduled = {id(c.sequence) for c in chunks}
         return next((r for r in reversed(self.running) if r.candidates is not None and id(r) not in scheduled), None)
 
     def _yield_idle_beam(self, req: Sequence) -> None:
@@ -573,7 +578,7 @@ class Scheduler:
         return n
 
     def _seq(self, chunk: ScheduledChunk) -> ScheduledSeq:
-        req, start = chunk.request, chunk.request.num_computed_tokens
+        req, start = chunk.sequence, chunk.sequence.num_computed_tokens
         seq = ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.token_ids(start, start + chunk.num_tokens),
@@ -594,10 +599,10 @@ class Scheduler:
     def expected_outputs(chunks: list[ScheduledChunk]) -> tuple[int, int, int]:
         """How many beam candidate lists, sampled-token logprobs and scored-prompt lists the
         result of a step of these chunks must hold (before it is applied)."""
-        beams = sum(1 for c in chunks if c.samples and c.request.params.use_beam_search)
-        logprobs = sum(1 for c in chunks if c.samples and c.request.sampling.logprobs is not None
-                       and not c.request.params.use_beam_search)
-        scored = sum(1 for c in chunks if c.request.score_targets(c.request.num_computed_tokens, c.num_tokens))
+        beams = sum(1 for c in chunks if c.samples and c.sequence.params.use_beam_search)
+        logprobs = sum(1 for c in chunks if c.samples and c.sequence.sampling.logprobs is not None
+                       and not c.sequence.params.use_beam_search)
+        scored = sum(1 for c in chunks if c.sequence.score_targets(c.sequence.num_computed_tokens, c.num_tokens))
         return beams, logprobs, scored
 
     def process_results(
@@ -612,7 +617,7 @@ class Scheduler:
         candidates, token_lps, scored = iter(top_logprobs), iter(logprobs), iter(prompt_logprobs)
         touched_beams = set()
         for chunk, token in zip(chunks, sampled, strict=True):
-            req = chunk.request
+            req = chunk.sequence
             samples = chunk.samples
             beam_cands = next(candidates) if samples and req.params.use_beam_search else None
             token_lp = (next(token_lps) if samples and req.sampling.logprobs is not None
@@ -642,7 +647,7 @@ class Scheduler:
     def _apply(self, chunk: ScheduledChunk, token: int, beam_cands: list | None,
                token_lp: TokenLogprob | None = None) -> TokenDelta | None:
         """One sequence's share of a step's result; the delta to send, if any."""
-        req = chunk.request
+        req = chunk.sequence
         samples = chunk.samples
         if samples:  # a forged or broken result fails its request, before anything changes
             top = token_limit(self.config.vocab_size)

@@ -245,7 +245,7 @@ class SchedulerService:
             log.error("step %d failed: %s", msg.step_id, msg.message)
             self.scheduler.undo_swaps(msg.step_id)
             for chunk in chunks:
-                req = self.scheduler.finish_request(chunk.request.request_id, "error")
+                req = self.scheduler.finish_request(chunk.sequence.request_id, "error")
                 if req is not None:
                     self._reply(req.reply_to, RequestError(req.request_id, 500, f"model execution failed: {msg.message}", "internal_error"))
             return
