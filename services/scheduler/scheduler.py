@@ -5,6 +5,7 @@ id) of one or more `Sequence`s (its n parallel samples or its beams), and the qu
 sequences. A new sequence is admitted with one prefix-cache lookup
 (`BlockManager.get_computed_blocks`) handed to its allocation (`allocate_slots`, None when
 it does not fit); the host blocks of swapped-out sequences are a `HostBlockPool`.
+
 Every step: running requests first (each needs its next token, or the next chunk
 of its prompt), then waiting requests in arrival order while the token budget, the
 running-request cap and free blocks allow. When blocks run out, the newest running
