@@ -15,7 +15,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,8 @@ import time
 import urllib.request
 
 import aiohttp
+
+from shared.ports import free_port
 
 
 def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -74,12 +75,6 @@ def run_hf(model, prompts, max_tokens: int, batch_size: int) -> tuple[float, int
                                  min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
             produced += (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return time.perf_counter() - t0, produced
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -18,13 +18,13 @@ import threading
 import time
 
 from benchmarks.bench_generate import (
-    free_port,
     make_prompts,
     read_metrics,
     run_engine,
     start_server,
     stop_server,
 )
+from shared.ports import free_port
 
 
 def sample_running(url: str, stop: threading.Event, out: list[float]) -> None:

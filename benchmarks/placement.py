@@ -45,7 +45,7 @@ from benchmarks.serve_vs_peers import Trace, _log, dataset, point, point_offsets
 from loadgen.datasets import WorkloadSpec
 from loadgen.peers import launch
 from loadgen.targets import Target
-from loadgen.tokenizer import load_tokenizer
+from loadgen.tokenizer import tokenizer_for
 from services.executor.quantization import ALL_ROWS
 
 VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tokenizer = load_tokenizer("smollm2")
+    tokenizer = tokenizer_for("smollm2")
     spec = WorkloadSpec(dataset=dataset(args), seed=0, max_input_len=args.max_input_len,
                         max_output_len=args.output_len)
     trace = Trace(spec, tokenizer, args.output_len)

@@ -44,7 +44,7 @@ from loadgen import runner
 from loadgen.datasets import WorkloadSpec, workload
 from loadgen.metrics import summarize
 from loadgen.targets import Target
-from loadgen.tokenizer import load_tokenizer
+from loadgen.tokenizer import tokenizer_for
 from tests.helpers import ServerProcess, get, make_tiny_llama
 
 SETUPS = (("1 engine", 1, "prefix"), ("2 engines round-robin", 2, "round-robin"),
@@ -184,7 +184,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="scale-out-") as tmp_name:
         tmp = Path(tmp_name)
         model = args.model or make_tiny_llama(tmp / "tiny-llama")
-        tokenizer = load_tokenizer(str(model))
+        tokenizer = tokenizer_for(str(model))
         work = requests(args, tokenizer)
         for name, engines, routing in SETUPS if "dp" in args.parts else ():
             results.append(measure(name, engines, routing, model, work, args, tmp, tokenizer))

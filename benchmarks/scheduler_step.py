@@ -19,8 +19,8 @@ import time
 import msgspec
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.sequence import Sequence
 from shared.messages import SamplingParams
 
 
@@ -30,7 +30,7 @@ def time_batch(batch: int, steps: int, prompt_len: int = 150) -> float:
     rng = random.Random(0)
     for i in range(batch):
         prompt = [rng.randrange(1000, 40000) for _ in range(prompt_len)]
-        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=10 * steps, ignore_eos=True),
+        sched.add_request(Sequence(f"r{i}", prompt, SamplingParams(max_tokens=10 * steps, ignore_eos=True),
                                   frozenset({2}), 0.0))
     _, chunks = sched.schedule()
     sched.process_results(chunks, [5] * len(chunks))

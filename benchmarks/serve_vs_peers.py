@@ -55,7 +55,7 @@ from loadgen.datasets import WorkloadSpec, workload
 from loadgen.metrics import stats, summarize
 from loadgen.peers import launch, vllm_server
 from loadgen.targets import Target
-from loadgen.tokenizer import load_tokenizer
+from loadgen.tokenizer import tokenizer_for
 
 TARGETS = ("pagedserve", "llamacpp", "vllm")
 
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         lean.append(lean_loop.ceiling(model_dir, dtype, args.lean_batch, args.lean_context, args.lean_steps))
     spec = WorkloadSpec(dataset=dataset(args), seed=0, max_input_len=args.max_input_len,
                         max_output_len=args.output_len)
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = tokenizer_for(args.tokenizer)
     trace = Trace(spec, tokenizer, args.output_len)
     trace.take(0, 1)
     _log(f"workload ready ({spec.dataset})")

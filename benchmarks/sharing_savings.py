@@ -17,8 +17,8 @@ import argparse
 import random
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.sequence import Sequence
 from services.simulator.step_time import StepTimeModel
 from services.simulator.workload import make_trace
 from shared.messages import SamplingParams
@@ -44,7 +44,7 @@ def run(dataset: str, mode: str, k: int, rate: float, duration: float, seed: int
             params = SamplingParams(max_tokens=tr.output_len, ignore_eos=True, n=k) if mode == "n" else \
                 SamplingParams(max_tokens=tr.output_len, ignore_eos=True, use_beam_search=True, beam_width=k, n=1)
             prompt = [rng.randrange(3, 50000) for _ in range(tr.prompt_len)]
-            sched.add_request(Request(f"r{i}", prompt, params, frozenset({2}), tr.arrival))
+            sched.add_request(Sequence(f"r{i}", prompt, params, frozenset({2}), tr.arrival))
             i += 1
         scheduled = sched.schedule()
         if scheduled is None:
@@ -54,7 +54,7 @@ def run(dataset: str, mode: str, k: int, rate: float, duration: float, seed: int
             continue
         step, chunks = scheduled
         dt = step_time(chunks)
-        live = [r for group in sched.requests.values() for r in group if not r.is_finished]
+        live = [r for group in sched.groups.values() for r in group.live]
         entries = sum(len(r.block_table) for r in live)
         if t >= warmup and entries:
             weighted += dt * (1 - sched.blocks.num_used_blocks / entries)

@@ -90,8 +90,8 @@ def finding_steps(num_steps: int = 4) -> list[tuple[int, int, int]]:
     import random
 
     from services.scheduler.block_manager import BlockManager
-    from services.scheduler.request import Request
     from services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from services.scheduler.sequence import Sequence
     from shared.messages import SamplingParams
 
     rng = random.Random(19)
@@ -100,13 +100,13 @@ def finding_steps(num_steps: int = 4) -> list[tuple[int, int, int]]:
                             bad_words_ids=[[rng.randrange(49_152) for _ in range(64)] for _ in range(64)])
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8192), BlockManager(4096, 16))
     for i in range(16):
-        sched.add_request(Request(f"r{i}", [rng.randrange(49_152) for _ in range(200)], params, frozenset({2}), 0.0))
+        sched.add_request(Sequence(f"r{i}", [rng.randrange(49_152) for _ in range(200)], params, frozenset({2}), 0.0))
     encoder, out = msgspec.msgpack.Encoder(), []
     for _ in range(num_steps):
         step, chunks = sched.schedule()
         whole = msgspec.structs.replace(step, seqs=[
-            msgspec.structs.replace(s, sampling=c.request.sampling, output_start=0,
-                                    output_token_ids=list(c.request.output_token_ids))
+            msgspec.structs.replace(s, sampling=c.sequence.sampling, output_start=0,
+                                    output_token_ids=list(c.sequence.output_token_ids))
             for s, c in zip(step.seqs, chunks, strict=True)])
         out.append((len(step.seqs), len(encoder.encode(step)), len(encoder.encode(whole))))
         sched.process_results(chunks, [5 if c.samples else -1 for c in chunks])

@@ -11,7 +11,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+
+from shared.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED_NAME = "bench"
@@ -31,12 +32,6 @@ class Load:
     input_len: int
     output_len: int
     concurrency: int
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(port: int, extra: list[str], timeout_s: float) -> subprocess.Popen:

@@ -19,7 +19,7 @@ from loadgen import report, runner
 from loadgen.datasets import WorkloadSpec, workload
 from loadgen.metrics import Slo, summarize
 from loadgen.targets import Target, parse_target
-from loadgen.tokenizer import Tokenizer, load_tokenizer
+from loadgen.tokenizer import Tokenizer, tokenizer_for
 
 PROBE_SIZE_ARGS = ("num_requests", "duration")
 
@@ -96,7 +96,7 @@ def run(args) -> int:
     slo = Slo.parse(args.slo) if args.slo else None
     spec, config = _spec(args), _config(args)
     config.check()
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = tokenizer_for(args.tokenizer)
     with contextlib.ExitStack() as stack:
         (target,) = _targets(args, stack)
         trace, warmup = _trace(args, spec, tokenizer, config.num_requests)
@@ -129,7 +129,7 @@ def capacity(args) -> int:
                          f"not with {' '.join(given)}")
     slo = CapacitySlo.parse(args.slo)
     spec = _spec(args)
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = tokenizer_for(args.tokenizer)
     trace = _Replay(workload(spec, tokenizer))
     warmup = list(itertools.islice(workload(spec, tokenizer, "warmup"), args.warmup))
     sizing = (f"{args.probe_seconds:g} s of arrivals and at least {args.probe_min_requests} requests per probe, "
@@ -172,7 +172,7 @@ def sweep(args) -> int:
     spec = _spec(args)
     config = _config(args, request_rate=rates[0])
     config.check()
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = tokenizer_for(args.tokenizer)
     curves: dict[str, list[tuple[float, dict]]] = {}
     with contextlib.ExitStack() as stack:
         targets = _targets(args, stack)
@@ -202,7 +202,7 @@ def compare(args) -> int:
     slo = Slo.parse(args.slo) if args.slo else None
     spec, config = _spec(args), _config(args)
     config.check()
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = tokenizer_for(args.tokenizer)
     with contextlib.ExitStack() as stack:
         targets = _targets(args, stack)
         trace, warmup = _trace(args, spec, tokenizer, config.num_requests)

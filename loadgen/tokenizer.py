@@ -53,9 +53,9 @@ class HFTokenizer:
             self._encode = lambda text: fast.encode(text, add_special_tokens=False).ids
             self._decode = lambda ids: fast.decode(ids, skip_special_tokens=True)
         else:
-            from transformers import AutoTokenizer
+            from shared.model_files import load_tokenizer
 
-            slow = AutoTokenizer.from_pretrained(path)
+            slow = load_tokenizer(path)
             self._encode = lambda text: slow.encode(text, add_special_tokens=False)
             self._decode = lambda ids: slow.decode(ids, skip_special_tokens=True)
 
@@ -66,7 +66,7 @@ class HFTokenizer:
         return self._decode(ids)
 
 
-def load_tokenizer(name: str) -> Tokenizer:
+def tokenizer_for(name: str) -> Tokenizer:
     if name == "words":
         return WordTokenizer()
     path = Path(name).expanduser()

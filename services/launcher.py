@@ -33,7 +33,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,6 +46,7 @@ from shared.config import Addresses, add_address_args, default_run_dir, engine_a
 from shared.curve import load_keys
 from shared.model_files import default_served_name, resolve_model
 from shared.options import add_options, option
+from shared.ports import free_port
 
 log = logging.getLogger("pagedserve.launcher")
 
@@ -80,12 +80,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 RANK_SUFFIX = "-rank"  # stage names of tensor-parallel ranks > 0: executor-rank1, executor-0-rank1, ...
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def first_gpu(device: str) -> int:

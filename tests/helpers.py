@@ -6,12 +6,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from shared.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,12 +36,6 @@ def make_tiny_llama(out: Path) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(resolve_model("smollm2")).save_pretrained(out)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -51,9 +51,9 @@ def run_pipelined(sched: Scheduler, max_steps=3_000, between=None, executor=None
             if built is not None:
                 in_flight.append(built)
                 ahead += 1
-                flying = {id(c.request) for c in in_flight[0][1]}
+                flying = {id(c.sequence) for c in in_flight[0][1]}
                 for s, c in zip(built[0].seqs, built[1], strict=True):  # placeholders: only those going on
-                    assert (s.token_ids == [PREVIOUS_TOKEN]) == (id(c.request) in flying)
+                    assert (s.token_ids == [PREVIOUS_TOKEN]) == (id(c.sequence) in flying)
         step, chunks = in_flight.popleft()
         assert previous.fill(step) is None
         sampled = executor.execute(step)
@@ -102,7 +102,7 @@ def test_the_step_ahead_carries_the_placeholder_one_position_on():
     ahead, ahead_chunks = sched.schedule_ahead(chunks)
     (seq,) = ahead.seqs
     assert seq.token_ids == [PREVIOUS_TOKEN] and seq.start_pos == 6 and seq.output_index == 1 and seq.sample
-    assert seq.slot_mapping == sched.blocks.slot_mapping(chunks[0].request, 6, 1)
+    assert seq.slot_mapping == sched.blocks.slot_mapping(chunks[0].sequence, 6, 1)
     # never two ahead: until the result before it applies, the step ahead's chunk is no sampling one
     assert sched.schedule_ahead(ahead_chunks) is None
 
@@ -119,7 +119,7 @@ def test_a_sequence_that_stops_early_wastes_one_step_and_sends_nothing_after_its
     expected, want_finish = run_until_done(sync)
     got, finish, _ = run_pipelined(pipe)
     assert got == expected and finish == want_finish and set(finish.values()) == {"stop"}
-    assert pipe.blocks.num_used_blocks == 0 and not pipe.requests
+    assert pipe.blocks.num_used_blocks == 0 and not pipe.groups
 
 
 def test_no_step_ahead_of_a_prompt_chunk_a_fork_penalties_or_beams():
@@ -147,7 +147,7 @@ def test_the_last_token_is_not_followed_and_nothing_that_does_not_fit_is_preempt
     tight.add_request(make("full", 8, 4))
     tight.add_request(make("late", 3, 1))
     step, chunks = tight.schedule()
-    assert [c.request.request_id for c in chunks] == ["full"]
+    assert [c.sequence.request_id for c in chunks] == ["full"]
     assert tight.schedule_ahead(chunks) is None  # no room for its next token, nothing admitted
     assert tight.num_preemptions_total == 0
 
@@ -183,7 +183,7 @@ def test_aborts_and_holds_between_results_keep_outputs_and_the_pool_right():
     assert "h2" not in finish and ahead > 0
     for rid in ("h0", "h1", "h3", "h4"):
         assert got[rid] == expected[rid] and finish[rid] == "length"
-    assert pipe.blocks.num_used_blocks == 0 and not pipe.requests
+    assert pipe.blocks.num_used_blocks == 0 and not pipe.groups
 
 
 @settings(max_examples=40, deadline=None)

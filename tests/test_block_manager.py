@@ -28,10 +28,15 @@ class Seq:
         return self.tokens[start:stop]
 
 
+def cached_tokens(bm: BlockManager, seq: Seq) -> int:
+    return len(bm.get_computed_blocks(seq)) * bm.block_size
+
+
 def admit(bm: BlockManager, seq: Seq) -> int:
     """Allocate a new sequence's uncached tokens; returns the cached token count."""
-    cached = bm.num_cached_tokens(seq)
-    bm.allocate(seq, seq.num_tokens - cached)
+    computed = bm.get_computed_blocks(seq)
+    cached = len(computed) * bm.block_size
+    assert bm.allocate_slots(seq, seq.num_tokens - cached, computed) is not None
     assert seq.num_computed_tokens == cached
     seq.num_computed_tokens = seq.num_tokens
     bm.commit(seq, cached, seq.num_tokens)
@@ -61,12 +66,11 @@ def test_allocates_on_demand_at_block_boundaries():
     assert bm.num_free_blocks == 8 and seq.block_table == [] and bm.num_used_blocks == 0
 
 
-def test_can_refuses_what_do_would_not_fit():
+def test_what_does_not_fit_is_refused_and_changes_nothing():
     bm = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
     a = Seq(tokens=list(range(9)))
-    assert not bm.can_allocate(a, 9)
-    with pytest.raises(RuntimeError):
-        bm.allocate(a, 9)
+    assert bm.allocate_slots(a, 9, []) is None
+    assert a.block_table == [] and bm.num_free_blocks == 2
     a.tokens = a.tokens[:8]
     admit(bm, a)
     a.tokens.append(1)
@@ -127,8 +131,8 @@ def test_cached_blocks_survive_free_and_are_evicted_least_recently_used():
     assert bm.num_cached_blocks == 2 and bm.num_free_blocks == 4
     filler = Seq(tokens=[5, 5, 5, 5, 5])  # needs 3 blocks: 2 never used + evict the oldest
     admit(bm, filler)
-    assert bm.num_cached_tokens(Seq(tokens=[1, 2, 3])) == 0  # the older one was evicted
-    assert bm.num_cached_tokens(Seq(tokens=[7, 8, 0])) == 2
+    assert cached_tokens(bm, Seq(tokens=[1, 2, 3])) == 0  # the older one was evicted
+    assert cached_tokens(bm, Seq(tokens=[7, 8, 0])) == 2
     bm.check_invariants([filler.block_table])
 
 
@@ -195,9 +199,12 @@ def test_invariants_hold_under_random_operations(operations, block_size, num_blo
         tokens = [(pick * 7 + i) % (alphabet + 1) for i in range(n)]  # small alphabet: many hits
         if op == "new":
             s = Seq(tokens=tokens, cache_salt="s" if pick % 3 == 0 else None)
-            cached = bm.num_cached_tokens(s)
-            if bm.can_allocate(s, n - cached):
-                bm.allocate(s, n - cached)
+            computed = bm.get_computed_blocks(s)
+            cached = len(computed) * block_size
+            free_before = bm.num_free_blocks
+            if bm.allocate_slots(s, n - cached, computed) is None:
+                assert s.block_table == [] and bm.num_free_blocks == free_before  # refused: nothing changed
+            else:
                 for i, block in enumerate(s.block_table[: cached // block_size]):
                     hit = s.tokens[i * block_size : (i + 1) * block_size]
                     assert contents[block] == hit, "a prefix-cache hit returned other tokens"
@@ -250,17 +257,17 @@ def test_blocks_are_cached_only_once_their_kv_is_written():
     uncomputed KV under a prefix hash. `commit` (the step succeeded) caches them."""
     bm = BlockManager(num_blocks=8, block_size=4)
     failed = Seq(tokens=list(range(9)))
-    bm.allocate(failed, 9)
-    assert bm.num_cached_tokens(Seq(tokens=list(range(9)))) == 0  # not while its step runs
+    assert bm.allocate_slots(failed, 9, []) == [0, 1, 2]
+    assert cached_tokens(bm, Seq(tokens=list(range(9)))) == 0  # not while its step runs
     bm.free(failed)  # its step failed
-    assert bm.num_cached_blocks == 0 and bm.num_cached_tokens(Seq(tokens=list(range(9)))) == 0
+    assert bm.num_cached_blocks == 0 and cached_tokens(bm, Seq(tokens=list(range(9)))) == 0
     bm.check_invariants([])
 
     done = Seq(tokens=list(range(9)))
-    bm.allocate(done, 5)  # a first chunk: one block completed
+    bm.allocate_slots(done, 5, bm.get_computed_blocks(done))  # a first chunk: one block completed
     bm.commit(done, 0, 5)
-    assert bm.num_cached_tokens(Seq(tokens=list(range(9)))) == 4
+    assert cached_tokens(bm, Seq(tokens=list(range(9)))) == 4
     bm.append_slots(done, 4)  # the rest, whose step then fails: block 2 stays uncached
     bm.free(done)
-    assert bm.num_cached_blocks == 1 and bm.num_cached_tokens(Seq(tokens=list(range(9)))) == 4
+    assert bm.num_cached_blocks == 1 and cached_tokens(bm, Seq(tokens=list(range(9)))) == 4
     bm.check_invariants([])

@@ -12,8 +12,8 @@ import pytest
 
 from services.executor.seq_states import SequenceStates
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.sequence import Sequence
 from shared.messages import PREVIOUS_TOKEN, ExecuteStep, SamplingParams, SchedulerToExecutor
 from tests.test_scheduler import EOS, FakeExecutor, reference_beam_search, reference_output
 
@@ -30,9 +30,9 @@ def hostile_params(n: int, allowed: int, bias: int, words: int, **extra) -> Samp
         bad_words_ids=[[rng.randrange(60_000, 65_000) for _ in range(8)] for _ in range(words)], **extra)
 
 
-def request(rid: str, prompt_len: int, params: SamplingParams) -> Request:
+def request(rid: str, prompt_len: int, params: SamplingParams) -> Sequence:
     prompt = [random.Random(rid).randrange(3, 100) for _ in range(prompt_len)]
-    return Request(rid, prompt, params, frozenset({EOS}), 0.0)
+    return Sequence(rid, prompt, params, frozenset({EOS}), 0.0)
 
 
 class StatefulExecutor(FakeExecutor):
@@ -69,9 +69,10 @@ class StatefulExecutor(FakeExecutor):
 
     def _requests(self, step):
         if self.chunks is not None:
-            return [c.request for c in self.chunks]
-        groups = self.sched.requests
-        return [next((r for r in groups.get(s.request_id, []) if r.seq_index == s.seq_index), None)
+            return [c.sequence for c in self.chunks]
+        groups = self.sched.groups
+        return [next((r for r in (groups[s.request_id].seqs if s.request_id in groups else [])
+                      if r.seq_index == s.seq_index), None)
                 for s in step.seqs]
 
 
@@ -107,7 +108,7 @@ def test_the_second_step_of_a_request_with_huge_sampling_is_small():
     for i in range(4):
         sched.add_request(request(f"h{i}", 20, hostile_params(n=4, allowed=8192, bias=256, words=64)))
     executor = StatefulExecutor(sched)
-    huge = len(msgspec.msgpack.encode(sched.requests["h0"][0].sampling))
+    huge = len(msgspec.msgpack.encode(sched.groups["h0"].seqs[0].sampling))
     assert huge > 25_000
     outputs = run(sched, executor)
     # the first step carries each request's sampling once; after it, a few hundred bytes a sequence
@@ -211,7 +212,7 @@ def test_a_step_naming_a_sequence_the_executor_does_not_hold_fails_that_row_alon
     failed = states.fill(wire)
     assert [row.index for row in failed] == [0] and failed[0].status == 500
     assert "holds no sampling state" in failed[0].message
-    assert wire.seqs[1].sampling == sched.requests["b"][0].sampling
+    assert wire.seqs[1].sampling == sched.groups["b"].seqs[0].sampling
 
 
 def test_steps_built_ahead_carry_no_state_twice():
@@ -251,11 +252,11 @@ def test_the_estimate_covers_a_prefix_cache_hit_and_a_swapped_sequence():
     prompt = [random.Random(1).randrange(3, 100) for _ in range(1600)]
     budget = 4_000
     sched = Scheduler(SchedulerConfig(max_step_bytes=budget, max_num_batched_tokens=2048), BlockManager(1000, 4))
-    sched.add_request(Request("warm", prompt, SamplingParams(max_tokens=1), frozenset({EOS}), 0.0))
+    sched.add_request(Sequence("warm", prompt, SamplingParams(max_tokens=1), frozenset({EOS}), 0.0))
     executor = StatefulExecutor(sched)
     run(sched, executor)
     for i in range(6):  # each computes a token or two, on a 401-block table
-        sched.add_request(Request(f"hit{i}", prompt + [i + 3], SamplingParams(max_tokens=2, ignore_eos=True),
+        sched.add_request(Sequence(f"hit{i}", prompt + [i + 3], SamplingParams(max_tokens=2, ignore_eos=True),
                                   frozenset({EOS}), 0.0))
     executor.sizes.clear()
     outputs = run(sched, executor)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request
+from services.scheduler.sequence import Sequence
 from services.tokenizer.engine_router import HOLD_MAX_S, LOAD_RATIO, LOAD_SLACK, EngineRouter, prefix_hashes
 from shared.messages import EngineLoad, EngineLoads, SamplingParams
 
@@ -28,9 +28,9 @@ def test_prefix_hashes_are_the_block_managers_chain():
     for salt in (None, "tenant"):
         hashes = prefix_hashes(ids, 16, salt)
         assert len(hashes) == 2  # only full blocks
-        req = Request("r", ids, SamplingParams(cache_salt=salt), frozenset(), 0.0)
+        req = Sequence("r", ids, SamplingParams(cache_salt=salt), frozenset(), 0.0)
         bm = BlockManager(8, 16)
-        bm.allocate(req, 40)
+        bm.allocate_slots(req, 40, [])
         req.num_computed_tokens = 40
         bm.commit(req, 0, 40)
         assert req.block_hashes == hashes

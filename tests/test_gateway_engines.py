@@ -4,7 +4,7 @@ replicas are told (EngineLoads) follows which engines serve."""
 
 from __future__ import annotations
 
-from services.gateway.engines import EnginePublisher, engine_loads, engines_report
+from services.gateway.engine_loads import EnginePublisher, engine_loads, engines_report
 from services.gateway.watchdog import StageWatchdog
 from shared.messages import Heartbeat, SchedulerStats
 

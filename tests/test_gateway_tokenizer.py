@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from shared.messages import (
     TokenizedRequest,
     TokenizerToScheduler,
 )
+from shared.ports import free_port
 from shared.transport import RouterSocket
 
 pytestmark = pytest.mark.skipif(
@@ -137,12 +137,6 @@ class FakeScheduler(threading.Thread):
                 del self._streams[rid]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tok():
     from transformers import AutoTokenizer
@@ -156,7 +150,7 @@ def tok():
 def server(tok):
     run_dir = tempfile.mkdtemp(prefix="ps-gw-")
     addrs = Addresses.ipc(run_dir)
-    port = _free_port()
+    port = free_port()
     fake = FakeScheduler(addrs.scheduler_in, tok)
     fake.start()
     ctx = zmq.Context()

@@ -147,9 +147,9 @@ def test_executor_deserializes_the_tokenizer_grammar(tok):
 
 
 def test_the_scheduler_passes_the_compiled_grammar_on():
-    from services.scheduler.request import Request
+    from services.scheduler.sequence import Sequence
 
-    req = Request("r", [1, 2], SamplingParams(structured=JSON, n=2), frozenset([2]), 0.0, compiled_grammar="{...}")
+    req = Sequence("r", [1, 2], SamplingParams(structured=JSON, n=2), frozenset([2]), 0.0, compiled_grammar="{...}")
     assert req.sampling.compiled_grammar == "{...}" and req.spawn(1).sampling.compiled_grammar == "{...}"
 
 

@@ -20,8 +20,9 @@ import zmq.auth
 from shared.config import Addresses
 from shared.curve import SECRET_KEY_ENV, CurveKeyError, CurveKeys, is_exposed, keygen, load_keys
 from shared.messages import Heartbeat, StatusToGateway
+from shared.ports import free_port
 from shared.transport import PullSocket, PushSocket, configure
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT
 
 
 def pagedserve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -7,15 +7,15 @@ import pytest
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.kv_accounting import KVUsage, kv_usage
-from services.scheduler.request import Request
 from services.scheduler.reservation import ReservingAllocator, make_allocator
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.sequence import Sequence
 from shared.messages import SamplingParams
 
 
 def req(rid, prompt, max_tokens, n=1):
     prompt = [5] * prompt if isinstance(prompt, int) else prompt
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n), frozenset({2}), 0.0)
+    return Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n), frozenset({2}), 0.0)
 
 
 def step(sched):

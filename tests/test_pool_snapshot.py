@@ -1,5 +1,5 @@
 """The dashboard's pool snapshot: packed block states, owners, reference counts and fill
-match real BlockManager / ReservingAllocator / SwapSpace objects driven by the real
+match real BlockManager / ReservingAllocator / HostBlockPool objects driven by the real
 Scheduler (shared, cached-unreferenced, swapped, free, reserved), and a subscription
 lapses unless renewed."""
 
@@ -8,12 +8,12 @@ from __future__ import annotations
 import msgspec
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.host_block_pool import HostBlockPool
 from services.scheduler.kv_accounting import kv_usage
 from services.scheduler.pool_snapshot import pool_snapshot, unpack
 from services.scheduler.pool_watch import MAX_TTL_S, MIN_INTERVAL_S, PoolWatch
 from services.scheduler.reservation import ReservingAllocator
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from services.scheduler.swap_space import SwapSpace
 from shared.messages import (
     BLOCK_CACHED,
     BLOCK_FREE,
@@ -122,7 +122,7 @@ def test_parallel_samples_share_their_prompt_blocks_then_leave_them_cached():
 
 def test_swapped_out_sequences_fill_the_swap_space():
     sched = Scheduler(SchedulerConfig(preemption_mode="swap"), BlockManager(12, 4, enable_prefix_caching=False),
-                      SwapSpace(40))
+                      HostBlockPool(40))
     for i in range(4):
         sched.add_request(make(f"s{i}", 8, 12))
     found = []

@@ -9,7 +9,8 @@ import time
 from services.probe import check_file, check_url
 from shared.heartbeat import write_health_file
 from shared.messages import Heartbeat
-from tests.helpers import ROOT, free_port
+from shared.ports import free_port
+from tests.helpers import ROOT
 
 
 def write(path, state="ready", sent_at=None):

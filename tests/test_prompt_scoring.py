@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.sequence import Sequence
 from shared.messages import SamplingParams, TokenLogprob
 from tests.test_scheduler import FakeExecutor
 
@@ -36,8 +36,8 @@ class ScoringExecutor(FakeExecutor):
         return sampled
 
 
-def request(rid: str, prompt: list[int], **params) -> Request:
-    return Request(rid, prompt, SamplingParams(max_tokens=3, prompt_logprobs=2, ignore_eos=True, **params),
+def request(rid: str, prompt: list[int], **params) -> Sequence:
+    return Sequence(rid, prompt, SamplingParams(max_tokens=3, prompt_logprobs=2, ignore_eos=True, **params),
                    frozenset({EOS}), 0.0)
 
 
@@ -71,7 +71,7 @@ def test_every_position_once_through_chunks_preemption_forks_and_cache():
     prompts = {f"r{i}": [rng.randrange(3, 100) for _ in range(rng.choice([2, 17, 40, 75]))] for i in range(6)}
     # a small pool and budget: prompts are prefilled in chunks and requests get preempted
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_model_len=256), BlockManager(16, 8))
-    warm = Request("warm", prompts["r3"], SamplingParams(max_tokens=1), frozenset({EOS}), 0.0)
+    warm = Sequence("warm", prompts["r3"], SamplingParams(max_tokens=1), frozenset({EOS}), 0.0)
     sched.add_request(warm)  # r3's prompt will sit in the prefix cache
     run(sched)
     for rid, prompt in prompts.items():
@@ -87,12 +87,12 @@ def test_every_position_once_through_chunks_preemption_forks_and_cache():
 def test_a_scoring_request_takes_no_cache_hits_until_scored():
     sched = Scheduler(SchedulerConfig(), BlockManager(64, 8))
     prompt = list(range(3, 40))
-    sched.add_request(Request("a", prompt, SamplingParams(max_tokens=1), frozenset({EOS}), 0.0))
+    sched.add_request(Sequence("a", prompt, SamplingParams(max_tokens=1), frozenset({EOS}), 0.0))
     run(sched)
     scoring = request("b", prompt)
-    assert scoring.no_cache_hits and sched.blocks.num_cached_tokens(scoring) == 0
-    plain = Request("c", prompt, SamplingParams(max_tokens=1), frozenset({EOS}), 0.0)
-    assert sched.blocks.num_cached_tokens(plain) > 0
+    assert scoring.no_cache_hits and sched.blocks.get_computed_blocks(scoring) == []
+    plain = Sequence("c", prompt, SamplingParams(max_tokens=1), frozenset({EOS}), 0.0)
+    assert sched.blocks.get_computed_blocks(plain) != []
     sched.add_request(scoring)
     firsts = run(sched)
     assert [e.logprob for e in firsts["b"]] == expected(prompt)

@@ -6,21 +6,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request
 from services.scheduler.reservation import ReservingAllocator, make_allocator, next_pow2
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.sequence import Sequence
 from shared.messages import SamplingParams
 from tests.test_scheduler import make, reference_beam_search, reference_output, run_until_done
 
 
 def req(rid, prompt_len, max_tokens, n=1):
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n)
-    return Request(rid, [5] * prompt_len, params, frozenset({2}), 0.0)
+    return Sequence(rid, [5] * prompt_len, params, frozenset({2}), 0.0)
 
 
 def admit(alloc, seq):
-    assert alloc.can_allocate(seq, seq.num_prompt_tokens)
-    alloc.allocate(seq, seq.num_prompt_tokens)
+    assert alloc.allocate_slots(seq, seq.num_prompt_tokens, alloc.get_computed_blocks(seq)) is not None
     seq.num_computed_tokens = seq.num_prompt_tokens
 
 
@@ -50,9 +49,7 @@ def test_first_fit_leaves_gaps_a_larger_request_cannot_use():
     alloc.free(b)
     assert alloc.gaps() == [(3, 2), (8, 2)] and alloc.num_free_blocks == 4
     big = req("d", 9, 3)  # 3 blocks: 4 are free but no gap holds 3
-    assert not alloc.can_allocate(big, 9)
-    with pytest.raises(RuntimeError):
-        alloc.allocate(big, 9)
+    assert alloc.allocate_slots(big, 9, []) is None and big.block_table == [] and alloc.num_free_blocks == 4
     small = req("e", 5, 2)  # 2 blocks: the first gap, not the one at the end
     admit(alloc, small)
     assert small.block_table == [3, 4]
@@ -82,7 +79,7 @@ def test_fork_takes_a_run_held_since_admission_and_recomputes():
     parent.pending_forks = 2
     admit(alloc, parent)
     assert alloc.num_used_blocks == 9 and alloc.fork_runs(parent) == [3, 3]
-    assert not alloc.can_allocate(req("x", 25, 4), 25)  # 8 blocks; only 7 left
+    assert alloc.allocate_slots(req("x", 25, 4), 25, []) is None  # 8 blocks; only 7 left
     child = parent.spawn(1)
     alloc.fork(parent, child)
     assert len(child.block_table) == 3 and not set(child.block_table) & set(parent.block_table)
@@ -205,7 +202,7 @@ def first_free_run(taken, n):
        block_size=st.sampled_from([1, 4, 16]), ops=ops)
 def test_reservations_never_overlap_and_first_fit_takes_the_lowest_gap(policy, block_size, ops):
     alloc = ReservingAllocator(policy, 256 // block_size, block_size, 96)
-    live: list[Request] = []
+    live: list[Sequence] = []
     for op in ops:
         tables = [s.block_table for s in live]
         if op[0] == "new":
@@ -214,8 +211,7 @@ def test_reservations_never_overlap_and_first_fit_takes_the_lowest_gap(policy, b
             s.pending_forks = forks
             size = alloc.reservation_blocks(s)
             before = occupancy(alloc, tables)
-            if alloc.can_allocate(s, p):
-                alloc.allocate(s, p)
+            if alloc.allocate_slots(s, p, []) is not None:
                 assert s.block_table[0] == first_free_run(before, size)
                 live.append(s)
                 held = alloc.fork_runs(s)

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from services.scheduler.beam_search import beam_score
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request
+from services.scheduler.host_block_pool import HostBlockPool
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from services.scheduler.swap_space import SwapSpace
+from services.scheduler.sequence import Sequence
 from shared.messages import FailedRow, SamplingParams
 
 EOS = 2
@@ -21,7 +21,7 @@ EOS = 2
 
 def make(rid, prompt_len, max_tokens, **params):
     prompt = [random.Random(rid).randrange(3, 100) for _ in range(prompt_len)]
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), frozenset({EOS}), 0.0)
+    return Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), frozenset({EOS}), 0.0)
 
 
 class FakeExecutor:
@@ -185,7 +185,7 @@ def test_preemption_recomputes_and_gives_the_same_outputs():
 def test_swap_mode_moves_kv_to_host_and_back_with_the_same_outputs():
     big = Scheduler(SchedulerConfig(), BlockManager(1000, 4))
     small = Scheduler(SchedulerConfig(preemption_mode="swap"), BlockManager(12, 4, enable_prefix_caching=False),
-                      SwapSpace(40))
+                      HostBlockPool(40))
     for sched in (big, small):
         for i in range(4):
             sched.add_request(make(f"s{i}", 8, 12))
@@ -248,7 +248,7 @@ def test_parallel_samples_share_the_prompt_and_copy_the_partial_block_on_write()
     assert len(finish) == 3 and set(finish.values()) == {"length"}
     assert len(copies) == 2  # two of the three samples copy the shared partial block
     assert max(used) < 3 * 4  # three unshared sequences of 16 tokens would hold 12 blocks
-    assert sched.blocks.num_used_blocks == 0 and not sched.requests
+    assert sched.blocks.num_used_blocks == 0 and not sched.groups
 
 
 def test_stopping_one_sample_leaves_the_others_running():
@@ -257,11 +257,11 @@ def test_stopping_one_sample_leaves_the_others_running():
     executor = FakeExecutor(4)
     run_until_done(sched, executor=executor, until=lambda s: any(r.num_output_tokens for r in s.running))
     sched.finish_request("par", "stop", seq_index=1)
-    assert [r.seq_index for r in sched.requests["par"] if not r.is_finished] == [0]
+    assert [r.seq_index for r in sched.groups["par"].seqs if not r.is_finished] == [0]
     sched.check_invariants()
     outputs, finish = run_until_done(sched, executor=executor)
     assert finish == {("par", 0): "length"}
-    assert not sched.requests and sched.blocks.num_used_blocks == 0
+    assert not sched.groups and sched.blocks.num_used_blocks == 0
 
 
 def test_prefix_cache_skips_computed_blocks_and_keeps_outputs():
@@ -298,12 +298,12 @@ def test_beam_search_shares_blocks_and_matches_plain_beam_search():
         want = reference_beam_search(req.prompt_token_ids, width, 10, eos)
         assert [outputs[("beam", i)] for i in range(width)] == want
         assert max(shared) > 0 and copies  # beams shared blocks and copied on write
-        assert not sched.requests and sched.blocks.num_used_blocks == 0
+        assert not sched.groups and sched.blocks.num_used_blocks == 0
 
 
 def test_beam_search_survives_preemption_by_recompute_and_by_swap():
     want = reference_beam_search(make("beam", 9, 12).prompt_token_ids, 4, 12, 77)
-    for mode, swap in (("recompute", None), ("swap", SwapSpace(64))):
+    for mode, swap in (("recompute", None), ("swap", HostBlockPool(64))):
         sched = Scheduler(SchedulerConfig(preemption_mode=mode), BlockManager(9, 4), swap)
         req = make("beam", 9, 12, use_beam_search=True, beam_width=4, n=4)
         req.eos_token_ids = frozenset({77})
@@ -385,13 +385,13 @@ def test_rows_the_executor_fails_end_their_requests_alone(specs, mode, num_block
         step, chunks = scheduled
         sampled = executor.execute(step)
         failed = [FailedRow(i, 400, "no token") for i, c in enumerate(chunks)
-                  if c.samples and c.request.request_id in doomed and rng.random() < 0.3]
+                  if c.samples and c.sequence.request_id in doomed and rng.random() < 0.3]
         for f in failed:
             sampled[f.index] = -1
         for req, row in small.fail_rows(chunks, failed):
             assert req.request_id not in ended and row in failed
             ended.add(req.request_id)
-            assert req.request_id not in small.requests  # every sample of it ended
+            assert req.request_id not in small.groups  # every sample of it ended
         apply_result(small, chunks, sampled, executor.top_logprobs, got, finish)
         small.check_invariants()
     check_random_run(small, expected, got, ended, {f"q{i}" for i in range(len(specs))} - admitted)
@@ -404,7 +404,7 @@ def random_run_setup(build, mode: str, num_blocks: int) -> tuple[dict, Scheduler
     big = Scheduler(SchedulerConfig(), BlockManager(10_000, 4))
     build(big)
     expected, _ = run_until_done(big)
-    swap = SwapSpace(num_blocks * 2) if mode == "swap" else None
+    swap = HostBlockPool(num_blocks * 2) if mode == "swap" else None
     small = Scheduler(SchedulerConfig(preemption_mode=mode, max_num_batched_tokens=24), BlockManager(num_blocks, 4),
                       swap)
     return expected, small, build(small)
@@ -418,7 +418,7 @@ def check_random_run(sched: Scheduler, expected: dict, got: dict, aborted, refus
         if rid not in aborted:
             assert tokens == expected[key], key
     assert {k if isinstance(k, str) else k[0] for k in set(expected) - set(got)} <= set(aborted) | refused
-    assert not sched.requests and sched.blocks.num_used_blocks == 0
+    assert not sched.groups and sched.blocks.num_used_blocks == 0
 
 
 def test_a_failed_step_leaves_no_uncomputed_block_in_the_prefix_cache():
@@ -437,7 +437,7 @@ def test_a_failed_step_leaves_no_uncomputed_block_in_the_prefix_cache():
     assert sched.blocks.num_cached_blocks > 0  # its own computed blocks are cached now
 
 
-class Faulty(Request):
+class Faulty(Sequence):
     """A request whose handling raises where `fails_in` says, as a bug tied to one
     request's input would."""
 
@@ -482,7 +482,7 @@ def test_a_request_that_raises_fails_alone_and_frees_its_blocks(fails_in):
     assert outputs["a"] == reference_output(honest[0].prompt_token_ids, 6)
     assert outputs[("b", 0)] == outputs[("b", 1)] == reference_output(honest[1].prompt_token_ids, 4)
     assert [(r.request_id, r.finish_reason) for r in sched.take_failed()] == [("bad", "error")]
-    assert not sched.requests and sched.blocks.num_used_blocks == 0
+    assert not sched.groups and sched.blocks.num_used_blocks == 0
     assert sched.take_failed() == []  # each failure is reported once
 
 
@@ -555,9 +555,9 @@ def test_beam_search_per_step_work_and_state_do_not_grow_with_the_output():
             tracemalloc.reset_peak()
             sched.process_results(chunks, sampled, executor.top_logprobs)
             allocated.append(tracemalloc.get_traced_memory()[1] - before)
-            if "beam" in sched.requests:
-                held.append(len(sched.requests["beam"]))
-                forks = max(forks, *(r.seq_index for r in sched.requests["beam"]))
+            if "beam" in sched.groups:
+                held.append(len(sched.groups["beam"].seqs))
+                forks = max(forks, *(r.seq_index for r in sched.groups["beam"].seqs))
     finally:
         tracemalloc.stop()
     assert forks > steps // 4  # beams did fork all along

@@ -151,7 +151,7 @@ def test_an_executor_back_with_another_pool_serves_every_request_on_it(new_pool)
         sched = stage.service.scheduler
         assert (sched.blocks.num_blocks, sched.blocks.block_size) == new_pool
         assert not executor.garbage_reads
-        assert not sched.requests and sched.blocks.num_used_blocks == 0
+        assert not sched.groups and sched.blocks.num_used_blocks == 0
     finally:
         stage.close()
 
@@ -199,7 +199,7 @@ def test_the_swap_outs_of_a_failed_step_are_recomputed_not_swapped_in(async_sche
         for rid in set(reqs) - errors:
             assert tokens_of(replies[rid]) == reference(list(reqs[rid].prompt_token_ids), 16), rid
         sched = stage.service.scheduler
-        assert sched.swap.num_free_blocks == 40 and not sched.requests
+        assert sched.swap.num_free_blocks == 40 and not sched.groups
     finally:
         stage.close()
 
@@ -209,8 +209,8 @@ def test_replace_pool_keeps_the_scheduler_consistent_and_outputs_unchanged():
     size, swap space); invariants hold every step and every request that fits gives the output
     of an undisturbed run."""
     from services.scheduler.block_manager import BlockManager
+    from services.scheduler.host_block_pool import HostBlockPool
     from services.scheduler.scheduler import Scheduler, SchedulerConfig
-    from services.scheduler.swap_space import SwapSpace
     from tests.test_scheduler import FakeExecutor, make, run_until_done
 
     def build(sched):
@@ -220,10 +220,10 @@ def test_replace_pool_keeps_the_scheduler_consistent_and_outputs_unchanged():
     big = Scheduler(SchedulerConfig(), BlockManager(1000, 4))
     build(big)
     expected, _ = run_until_done(big)
-    sched = Scheduler(SchedulerConfig(preemption_mode="swap"), BlockManager(64, 4), SwapSpace(64))
+    sched = Scheduler(SchedulerConfig(preemption_mode="swap"), BlockManager(64, 4), HostBlockPool(64))
     build(sched)
     got, _ = run_until_done(sched, until=lambda s: s.num_steps_total == 6)
-    ended = sched.replace_pool(BlockManager(7, 8), SwapSpace(20), SchedulerConfig(preemption_mode="swap"))
+    ended = sched.replace_pool(BlockManager(7, 8), HostBlockPool(20), SchedulerConfig(preemption_mode="swap"))
     sched.check_invariants()
     assert {r.request_id for r, _ in ended} == {"q5"}  # 20 + 40 tokens: 8 blocks of 8; the pool holds 7
     more, _ = run_until_done(sched, executor=FakeExecutor(8))
@@ -231,4 +231,4 @@ def test_replace_pool_keeps_the_scheduler_consistent_and_outputs_unchanged():
         got.setdefault(key, []).extend(tokens)
     assert {k: v for k, v in got.items() if k != "q5"} == {k: v for k, v in expected.items() if k != "q5"}
     assert sched.num_swapped_out_total > 0  # the new pool was tight: it swapped, and back
-    assert not sched.requests and sched.blocks.num_used_blocks == 0 and sched.swap.num_free_blocks == 20
+    assert not sched.groups and sched.blocks.num_used_blocks == 0 and sched.swap.num_free_blocks == 20

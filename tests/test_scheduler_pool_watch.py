@@ -31,7 +31,7 @@ def test_snapshots_flow_only_while_a_subscription_is_renewed():
     try:
         tok = stage.tokenizer("tok-0")
         tok.send(honest("busy", max_tokens=240))
-        stage.run_until(lambda r: stage.service.scheduler is not None and "busy" in stage.service.scheduler.requests,
+        stage.run_until(lambda r: stage.service.scheduler is not None and "busy" in stage.service.scheduler.groups,
                         execute=False)
         assert collect(status, stage, 0.6) == []  # nobody watches: nothing is built or sent
 

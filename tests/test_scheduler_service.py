@@ -192,7 +192,7 @@ def test_a_row_the_executor_fails_ends_its_request_alone(argv):
         for rid in ("before", "after"):
             assert tokens(replies[rid]) == [7] * 8 and replies[rid][-1].finish_reason == "length"
         sched = stage.service.scheduler
-        assert "one" not in sched.requests and "pair" not in sched.requests  # both samples of pair ended
+        assert "one" not in sched.groups and "pair" not in sched.groups  # both samples of pair ended
         time.sleep(0.05)
         sched.check_invariants()
         assert sched.blocks.num_used_blocks == 0 and not sched.running and not sched.waiting
@@ -236,7 +236,7 @@ def test_a_replica_that_does_not_read_holds_its_requests_and_loses_no_token(smal
     fast.send(honest("f", 40))
     replies = stage.run_until(lambda r: ended(r.get("f", [])), fast)  # others go on meanwhile
     assert tokens(replies["f"]) == [7] * 40
-    assert stage.service.scheduler.requests["s"][0].num_output_tokens < 20  # held, not run on
+    assert stage.service.scheduler.groups["s"].seqs[0].num_output_tokens < 20  # held, not run on
     replies = stage.run_until(lambda r: ended(r.get("s", [])), slow)
     assert tokens(replies["s"]) == [7] * 40 and replies["s"][-1].finish_reason == "length"
 
@@ -247,8 +247,8 @@ def test_a_replica_stuck_past_the_timeout_has_its_requests_failed_loudly(small_q
     try:
         stuck = slow_replica(stage, "stuck")
         stuck.send(honest("x", 40))
-        stage.run_until(lambda r: stage.service.scheduler is not None and "x" in stage.service.scheduler.requests)
-        stage.run_until(lambda r: "x" not in stage.service.scheduler.requests)
+        stage.run_until(lambda r: stage.service.scheduler is not None and "x" in stage.service.scheduler.groups)
+        stage.run_until(lambda r: "x" not in stage.service.scheduler.groups)
         assert stage.service.scheduler.blocks.num_used_blocks == 0  # its blocks went back
         replies = stage.run_until(lambda r: ended(r.get("x", [])), stuck)
         assert 0 < len(tokens(replies["x"])) < 40

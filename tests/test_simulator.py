@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from services import cli
-from services.scheduler.request import Request
 from services.scheduler.scheduler import ScheduledChunk
+from services.scheduler.sequence import Sequence
 from services.simulator.engine import SimConfig, simulate
 from services.simulator.step_time import StepTimeModel
 from services.simulator.workload import DATA_FILE, TraceRequest, load_histograms, make_trace
@@ -49,8 +49,8 @@ def test_trace_is_seeded_poisson_and_fits_the_context():
 
 def test_step_time_counts_prefill_tokens_and_decoding_sequences():
     model = StepTimeModel(fixed_s=1.0, prefill_token_s=0.1, decode_seq_s=0.01, context_token_s=0.001)
-    prefill = Request("p", [5] * 100, SamplingParams(), frozenset(), 0.0)
-    decode = Request("d", [5] * 20, SamplingParams(), frozenset(), 0.0, output_token_ids=[6, 6])
+    prefill = Sequence("p", [5] * 100, SamplingParams(), frozenset(), 0.0)
+    decode = Sequence("d", [5] * 20, SamplingParams(), frozenset(), 0.0, output_token_ids=[6, 6])
     decode.num_computed_tokens = 21
     chunks = [ScheduledChunk(prefill, 60), ScheduledChunk(decode, 1)]
     assert model(chunks) == pytest.approx(1.0 + 60 * 0.1 + 0.01 + 22 * 0.001)

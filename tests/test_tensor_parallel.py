@@ -32,9 +32,10 @@ import torch
 from services.executor.models.sharding import ModelShard
 from services.executor.tp_group import KEEPALIVE_S, TPGroup
 from services.launcher import Supervisor
+from shared.ports import free_port
 from tests.conftest import needs_smollm2
 from tests.e2e.load import dumps, greedy, prompts, run_load
-from tests.helpers import ROOT, ServerProcess, free_port
+from tests.helpers import ROOT, ServerProcess
 from tests.test_launcher import BASE_S, CAP_S, SLEEPER, wait_for
 from tests.tp_ranks import drive, make_runner
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from shared.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("pagedserve", "transformers", "transformers-cb", "llamacpp", "vllm")
@@ -42,12 +43,6 @@ def vllm_python() -> Path | None:
         if python.exists() and any((venv / "lib").glob("python3*/site-packages/vllm/__init__.py")):
             return python
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(kind: str, port: int, threads: int | None = None, options: tuple[str, ...] = (),

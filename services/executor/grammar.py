@@ -27,6 +27,7 @@ from pathlib import Path
 from torch import Tensor
 
 from shared.messages import ScheduledSeq
+from shared.model_files import load_tokenizer
 from shared.structured_output import GrammarCompilerCache
 
 MAX_MATCHERS = 4096  # sequences remembered; the least recently used are dropped (and rebuilt if seen again)
@@ -41,9 +42,7 @@ class _Entry:
 
 class GrammarMasks:
     def __init__(self, model_dir: str | Path, vocab_size: int):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = load_tokenizer(model_dir)
         self.compilers = GrammarCompilerCache(tokenizer, vocab_size)
         self.xgr = self.compilers.xgr
         self.vocab_size = vocab_size

@@ -46,6 +46,7 @@ from services.executor.cuda_graphs import DecodeGraphs
 from services.executor.dtype_choice import resolve_dtype, resolve_kv_cache_dtype
 from services.executor.gpu_memory import kv_cache_budget, profile_step
 from services.executor.grammar import GrammarMasks
+from services.executor.host_kv_cache import HostKVCache
 from services.executor.kv_cache import DEFAULT_KV_CACHE_MEMORY, KVCache, bytes_per_block
 from services.executor.loader import load_model
 from services.executor.logits_processors import History
@@ -55,7 +56,6 @@ from services.executor.options import ExecutorOptions
 from services.executor.quantization import ALL_ROWS
 from services.executor.sampler import Sampler, no_token_problem
 from services.executor.step_calibration import calibrate_runner
-from services.executor.swap_space import SwapSpace
 from services.executor.tp_group import GroupBroken, TPGroup
 from shared import cpu_placement
 from shared.messages import ExecuteStep, FailedRow, StepResult, TokenLogprob
@@ -121,7 +121,7 @@ class ModelRunner:
         self.kv_cache = KVCache(shape[0], num_kv_blocks + extra, *shape[1:], self.kv_dtype, self.device)
         self.num_kv_blocks: int = num_kv_blocks
         per_block = bytes_per_block(*shape, self.kv_dtype)
-        self.swap = SwapSpace(self.kv_cache, self.tp.min_int(o.swap_space // per_block) * per_block)
+        self.swap = HostKVCache(self.kv_cache, self.tp.min_int(o.swap_space // per_block) * per_block)
         self.last_top_logprobs: list[list[tuple[int, float]]] = []
         if o.cuda_graphs and self.device.type == "cuda" and self.tp.size > 1:
             log.info("no CUDA graphs under tensor parallelism (the all-reduces are not captured)")

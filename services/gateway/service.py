@@ -27,7 +27,7 @@ from services.gateway.app import Gateway
 from services.gateway.dashboard import DashboardHub
 from services.gateway.dashboard_http import DashboardRoutes
 from services.gateway.engine_client import EngineClient
-from services.gateway.engines import EnginePublisher, engines_report
+from services.gateway.engine_loads import EnginePublisher, engines_report
 from services.gateway.health import StageTracker
 from services.gateway.host_check import HostCheck
 from services.gateway.limits import RequestLimits

@@ -1,11 +1,16 @@
 """Physical KV block pool: allocation on demand, reference counts, copy-on-write, prefix cache.
 
 Pure bookkeeping over block ids; it knows nothing about models, tensors or sockets.
-Each operation comes as a pair, a side-effect-free "can" and a "do" (`can_allocate`/
-`allocate`, `can_append`/`append_slots`), plus `fork` and `free`. A sequence is a
-`Request`-like object: a `block_table` (block i holds token positions
-[i * block_size, (i + 1) * block_size)), `num_computed_tokens`, its tokens, and a
-`block_hashes` list this class fills in.
+A new sequence is admitted in two calls, as in vLLM v1: `get_computed_blocks` looks its
+cached prefix up once, and `allocate_slots` takes those blocks plus room for the tokens to
+compute, or returns None, changing nothing, when they do not fit. A running sequence grows
+by a pair, a side-effect-free "can" and a "do" (`can_append`/`append_slots`; likewise
+`can_restore`/`restore` for one coming back from swap), plus `fork` and `free`. Of a sequence
+(`services/scheduler/sequence.py`'s `Sequence`, or any object with these fields) it reads
+and writes only its `block_table` (block i holds token positions
+[i * block_size, (i + 1) * block_size)), `num_computed_tokens`, its tokens (`num_tokens`,
+`token_ids(start, stop)`), the `block_hashes` list this class fills in, and optionally
+`cache_salt` and `no_cache_hits`.
 
 Prefix caching: a block full of computed tokens is registered under its digest,
 a SHA-256 chain over the sequence's tokens seeded by its cache salt
@@ -26,21 +31,12 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from shared.block_digest import chain_digests, root_digest
 
-
-class Sequence(Protocol):
-    block_table: list[int]
-    block_hashes: list[bytes]  # digests of its full blocks, filled in here
-    num_computed_tokens: int
-    # optional: cache_salt (str | None, default None), no_cache_hits (bool, default False)
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    def token_ids(self, start: int, stop: int) -> list[int]: ...
+if TYPE_CHECKING:
+    from services.scheduler.sequence import Sequence
 
 
 class BlockManager:
@@ -92,8 +88,10 @@ class BlockManager:
             hashes += chain_digests(parent, seq.token_ids(len(hashes) * bs, full * bs), bs)
         return hashes[:full]
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding seq's leading tokens, always leaving one token to compute."""
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding seq's leading tokens, always leaving one token to compute:
+        looked up once per admission and handed to `allocate_slots` (valid until the pool
+        changes)."""
         if not self.enable_prefix_caching or getattr(seq, "no_cache_hits", False):
             return []  # (a prompt being scored computes every position)
         hits = []
@@ -103,10 +101,6 @@ class BlockManager:
                 break
             hits.append(block)
         return hits
-
-    def num_cached_tokens(self, seq: Sequence) -> int:
-        """Tokens of a new sequence that `allocate` will take from the cache."""
-        return len(self._cached_prefix(seq)) * self.block_size
 
     def commit(self, seq: Sequence, start: int, end: int) -> None:
         """The KV of seq's tokens [start, end) is written: cache the blocks they complete."""
@@ -157,30 +151,26 @@ class BlockManager:
 
     # --- a new sequence -------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Room for a sequence holding no blocks to compute num_new_tokens tokens past
-        its cached prefix (see `num_cached_tokens`)."""
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int]) -> list[int] | None:
+        """Give a sequence holding no blocks its computed blocks (`get_computed_blocks`) and
+        blocks for num_new_tokens more tokens past them; sets seq.num_computed_tokens to the
+        cached length. Returns the blocks taken new, or None, with nothing changed, when
+        they do not fit (or seq holds blocks already)."""
         if seq.block_table:
-            return False
-        hits = self._cached_prefix(seq)
-        new = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
-        revived = sum(1 for b in hits if self.ref_counts[b] == 0)  # leave the free count
-        return new + revived <= self.num_free_blocks
-
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Take the cached prefix, then blocks for num_new_tokens more tokens; sets
-        seq.num_computed_tokens to the cached length."""
-        if not self.can_allocate(seq, num_new_tokens):
-            raise RuntimeError("allocate without room: call can_allocate first")
-        hits = self._cached_prefix(seq)
+            return None
+        num_computed = len(computed_blocks) * self.block_size
+        new = self.blocks_for(num_computed + num_new_tokens) - len(computed_blocks)
+        revived = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)  # leave the free count
+        if new + revived > self.num_free_blocks:
+            return None
         self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
-        for block in hits:
+        self.prefix_cache_hits += num_computed
+        for block in computed_blocks:
             self._reuse(block)
-        seq.block_table.extend(hits)
-        seq.num_computed_tokens = len(hits) * self.block_size
-        end = seq.num_computed_tokens + num_new_tokens
-        seq.block_table.extend(self._take() for _ in range(self.blocks_for(end) - len(hits)))
+        taken = [self._take() for _ in range(new)]
+        seq.block_table += computed_blocks + taken
+        seq.num_computed_tokens = num_computed
+        return taken
 
     # --- a swapped-out sequence comes back -----------------------------------------
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.scheduler.request import Request
+from services.scheduler.sequence import Sequence
 from shared.messages import ExecuteStep, ScheduledSeq
 
 INT_BYTES = 5
@@ -28,7 +28,7 @@ SEQ_BYTES = len(msgspec.msgpack.encode(ScheduledSeq("", [], 0, [], [], True, 0))
 PAIR_BYTES = 1 + 2 * INT_BYTES  # a (src, dst) block pair
 
 
-def state_bytes(req: Request) -> int:
+def state_bytes(req: Sequence) -> int:
     """What the executor is sent once for the request: its sampling and, if read, its prompt."""
     sampling = req.sampling
     prompt = INT_BYTES * req.num_prompt_tokens if sampling.repetition_penalty != 1 else 0
@@ -51,7 +51,7 @@ class ExecutorStates:
         """(request id, seq index) of every sequence the executor holds once the stamped step is in."""
         return {(rid, i) for rid, seqs in self._held.items() for i in seqs}
 
-    def attach(self, seq: ScheduledSeq, req: Request) -> None:
+    def attach(self, seq: ScheduledSeq, req: Sequence) -> None:
         """Put into seq what the executor lacks of req's state, and count it as sent."""
         sampling = req.sampling  # first: a request whose sampling raises changes nothing here
         held = self._held.get(req.request_id)
@@ -69,7 +69,7 @@ class ExecutorStates:
         else:
             held.setdefault(req.seq_index, 0)
 
-    def release(self, req: Request) -> None:
+    def release(self, req: Sequence) -> None:
         """The sequence ended or lost its KV: the executor may forget it (with the next step)."""
         held = self._held.get(req.request_id)
         if held is not None and held.pop(req.seq_index, None) is not None:
@@ -88,7 +88,7 @@ class ExecutorStates:
         step.released, self._released = self._released, []
         step.reset_states, self._reset = self._reset, False
 
-    def seq_cost(self, req: Request, num_tokens: int, block_size: int, new_requests: set[str]) -> int:
+    def seq_cost(self, req: Sequence, num_tokens: int, block_size: int, new_requests: set[str]) -> int:
         """Bytes a chunk of num_tokens adds to a step, at most; new_requests: the requests whose
         state the step carries already."""
         # its block table covers at most its tokens (more only under a --kv-policy reserve-*
@@ -103,7 +103,7 @@ class ExecutorStates:
         return cost
 
     @staticmethod
-    def worst_cost(req: Request, max_num_batched_tokens: int, block_size: int) -> int:
+    def worst_cost(req: Sequence, max_num_batched_tokens: int, block_size: int) -> int:
         """The most one sequence of req can add to a step: its state, a whole chunk, its whole
         block table and output (a recompute)."""
         tokens = min(max_num_batched_tokens, req.max_total_tokens)

@@ -20,8 +20,8 @@ from collections.abc import Iterable
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.kv_accounting import kv_usage
-from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.sequence import Sequence, SequenceStatus
 from shared.messages import (
     BLOCK_CACHED,
     BLOCK_RESERVED,
@@ -59,8 +59,8 @@ def unpack(typecode: str, data: bytes) -> list[int]:
     return values.tolist()
 
 
-def _row(req: Request) -> PoolRow:
-    if req.status is RequestStatus.RUNNING:
+def _row(req: Sequence) -> PoolRow:
+    if req.status is SequenceStatus.RUNNING:
         status = "running"
     else:
         status = "swapped" if req.swapped_blocks else "waiting"

@@ -35,22 +35,15 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from services.scheduler.block_manager import BlockManager
-from shared.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from services.scheduler.sequence import Sequence
 
 RESERVE_POLICIES = ("reserve-max", "reserve-pow2", "reserve-oracle")
 POLICIES = ("paged", *RESERVE_POLICIES)
-
-
-class Sequence(Protocol):
-    block_table: list[int]
-    num_computed_tokens: int
-    params: SamplingParams
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
 
 
 def next_pow2(n: int) -> int:
@@ -148,20 +141,23 @@ class ReservingAllocator:
 
     # --- a new sequence -------------------------------------------------------------
 
-    def num_cached_tokens(self, seq: Sequence) -> int:
-        return 0
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Nothing is cached."""
+        return []
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def _can_reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         n = self.reservation_blocks(seq)
         return not seq.block_table and self.blocks_for(num_new_tokens) <= n and self._first_fit(n) is not None
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int]) -> list[int] | None:
         """Reserve seq's run, and one for each pending fork that fits now; sets
-        num_computed_tokens to 0."""
-        if not self.can_allocate(seq, num_new_tokens):
-            raise RuntimeError("allocate without room: call can_allocate first")
+        num_computed_tokens to 0. Returns seq's run, or None, with nothing changed, when
+        it does not fit (computed_blocks is always empty: nothing is cached)."""
+        if computed_blocks or not self._can_reserve(seq, num_new_tokens):
+            return None
         self._take_runs(seq)
         seq.num_computed_tokens = 0
+        return list(seq.block_table)
 
     def _take_runs(self, seq: Sequence) -> None:
         n = self.reservation_blocks(seq)
@@ -181,7 +177,7 @@ class ReservingAllocator:
 
     def can_restore(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for a swapped-out sequence to come back with num_new_tokens more."""
-        return self.can_allocate(seq, seq.num_computed_tokens + num_new_tokens)
+        return self._can_reserve(seq, seq.num_computed_tokens + num_new_tokens)
 
     def restore(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """A fresh run for a swapped-out sequence; returns the blocks its swapped KV goes into."""

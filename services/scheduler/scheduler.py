@@ -1,5 +1,11 @@
 """Iteration-level continuous batching over a paged KV pool.
 
+In the paper's words (`sequence.py`): a request is a `SequenceGroup` (`groups`, by request
+id) of one or more `Sequence`s (its n parallel samples or its beams), and the queues hold
+sequences. A new sequence is admitted with one prefix-cache lookup
+(`BlockManager.get_computed_blocks`) handed to its allocation (`allocate_slots`, None when
+it does not fit); the host blocks of swapped-out sequences are a `HostBlockPool`.
+
 Every step: running requests first (each needs its next token, or the next chunk
 of its prompt), then waiting requests in arrival order while the token budget, the
 running-request cap and free blocks allow. When blocks run out, the newest running
@@ -37,12 +43,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.scheduler import beam_search
-from services.scheduler.beam_search import BeamState
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.executor_states import ExecutorStates
-from services.scheduler.request import Request, RequestStatus
-from services.scheduler.swap_space import SwapSpace
-from services.scheduler.token_history import TokenHistory
+from services.scheduler.host_block_pool import HostBlockPool
+from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 from services.scheduler.validation import request_problem, token_limit
 from shared.messages import (
     PREVIOUS_TOKEN,
@@ -72,27 +76,26 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    request: Request
+    sequence: Sequence
     num_tokens: int
     restored: bool = False  # its computed KV comes back from swap space in this step
 
     @property
     def samples(self) -> bool:
-        r = self.request
+        r = self.sequence
         return r.num_computed_tokens + self.num_tokens == r.num_tokens
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, swap: SwapSpace | None = None):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, swap: HostBlockPool | None = None):
         self.config = config
         self.blocks = block_manager
         self.swap = swap if config.preemption_mode == "swap" else None
         self.num_swapped_out_total = 0
         self.num_swapped_in_total = 0
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, list[Request]] = {}  # request id -> its live sequences
-        self.beams: dict[str, BeamState] = {}  # request id -> beam search state
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.groups: dict[str, SequenceGroup] = {}  # request id -> its samples or beams
         self.num_preemptions_total = 0
         self.num_steps_total = 0
         self.decode_steps_total = 0
@@ -101,18 +104,17 @@ class Scheduler:
         # random start: a late result for a step of a previous scheduler process (the
         # executor outlives it) never matches a step of this one
         self._next_step_id = random.getrandbits(48)
-        self._failed: list[Request] = []  # failed, not yet reported (see take_failed)
-        self._doomed: list[Request] = []  # failed while a step is being built: freed after it
-        self._swap_outs: dict[int, list[Request]] = {}  # step id -> sequences it swaps out, until answered
+        self._failed: list[Sequence] = []  # failed, not yet reported (see take_failed)
+        self._doomed: list[Sequence] = []  # failed while a step is being built: freed after it
+        self._swap_outs: dict[int, list[Sequence]] = {}  # step id -> sequences it swaps out, until answered
         self.held: set[bytes] = set()  # owners whose requests wait (backpressure)
         self.executor_states = ExecutorStates()  # what the executor holds of each sequence
         self._step_bytes = 0  # of the step being built, estimated
         self._step_new: set[str] = set()  # requests whose state the step being built carries
-        self._prompt_logprobs_sent: set[str] = set()  # requests (n > 1) whose first delta went out
 
     # --- requests in and out -------------------------------------------------------
 
-    def check_fits(self, req: Request) -> str | None:
+    def check_fits(self, req: Sequence) -> str | None:
         """Why a request can never run on this pool, or None if it can."""
         problem = request_problem(req.prompt_token_ids, req.params, req.arrival_time, self.config.vocab_size,
                                   req.eos_token_ids)
@@ -138,80 +140,68 @@ class Scheduler:
             )
         return None
 
-    def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
+    def add_request(self, req: Sequence) -> SequenceGroup:
+        """Queue a new request, given as its first sequence; returns its group."""
+        if req.request_id in self.groups:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        self.requests[req.request_id] = [req]
-        self.waiting.append(req)
-        if req.params.use_beam_search:
-            self.beams[req.request_id] = BeamState(req.params.beam_width, req.params.length_penalty)
-            req.output_token_ids = TokenHistory(req.output_token_ids)  # forks share it
-        elif req.params.n > 1:
-            if req.fork_at > 0:
-                req.pending_forks = req.params.n - 1
-            else:  # nothing to share: the samples start out on their own
-                for i in range(1, req.params.n):
-                    sibling = req.spawn(i)
-                    self.requests[req.request_id].append(sibling)
-                    self.waiting.append(sibling)
+        group = self.groups[req.request_id] = SequenceGroup.start(req)
+        self.waiting.extend(group.seqs)
+        return group
 
-    def finish_request(self, request_id: str, reason: str, seq_index: int | None = None) -> Request | None:
+    def finish_request(self, request_id: str, reason: str, seq_index: int | None = None) -> Sequence | None:
         """End a request's sequences now (abort, stop string), or only one of them;
         frees their blocks. Returns a sequence of it, or None if it is unknown."""
-        group = self.requests.get(request_id)
+        group = self.groups.get(request_id)
         if group is None:
             return None
-        ended = [r for r in group if seq_index is None or r.seq_index == seq_index]
+        ended = [r for r in group.seqs if seq_index is None or r.seq_index == seq_index]
         for req in ended:
             self._finish(req, reason)
-        return ended[0] if ended else group[0]
+        return ended[0] if ended else group.seqs[0]
 
-    def _finish(self, req: Request, reason: str) -> None:
-        if req.status is RequestStatus.RUNNING:
+    def _finish(self, req: Sequence, reason: str) -> None:
+        if req.status is SequenceStatus.RUNNING:
             self.running.remove(req)
-        elif req.status is RequestStatus.WAITING:
+        elif req.status is SequenceStatus.WAITING:
             self.waiting.remove(req)
         self.blocks.free(req)
         if self.swap is not None:
             self.swap.free(req.swapped_blocks)
-        req.status = RequestStatus.FINISHED
+        req.status = SequenceStatus.FINISHED
         req.finish_reason = reason
         req.pending_forks = 0
         self.executor_states.release(req)
-        group = self.requests.get(req.request_id)
-        if group is not None and all(r.is_finished for r in group):
-            del self.requests[req.request_id]
-            self.beams.pop(req.request_id, None)
-            self._prompt_logprobs_sent.discard(req.request_id)
-        elif group is not None and req.request_id in self.beams:
-            group.remove(req)  # a dropped beam: its search no longer needs it
+        group = self.groups.get(req.request_id)
+        if group is not None and group.is_finished:
+            del self.groups[req.request_id]
+        elif group is not None and group.beam is not None:
+            group.seqs.remove(req)  # a dropped beam: its search no longer needs it
 
     def fail_request(self, request_id: str, exc: BaseException) -> None:
         """End a request whose handling raised: every sequence, blocks freed; reported
         by `take_failed`."""
-        group = self.requests.get(request_id)
-        if group:
-            self._doom(group[0], exc)
+        group = self.groups.get(request_id)
+        if group is not None and group.seqs:
+            self._doom(group.seqs[0], exc)
             self._release_doomed()
 
-    def take_failed(self) -> list[Request]:
+    def take_failed(self) -> list[Sequence]:
         """Requests that failed since the last call (finish_reason "error"), once each."""
         failed, self._failed = self._failed, []
         return failed
 
-    def _doom(self, req: Request, exc: BaseException) -> None:
+    def _doom(self, req: Sequence, exc: BaseException) -> None:
         """Take a failed request's sequences out of every queue; their blocks are freed by
         `_release_doomed`, after any step being built (which may not reuse them)."""
         log.error("request %s failed: %r", req.request_id, exc, exc_info=exc)
-        group = self.requests.pop(req.request_id, None) or [req]
-        self.beams.pop(req.request_id, None)
-        self._prompt_logprobs_sent.discard(req.request_id)
-        for seq in group if req in group else [*group, req]:
+        group = self.groups.pop(req.request_id, None)
+        seqs = group.seqs if group is not None else [req]
+        for seq in seqs if req in seqs else [*seqs, req]:
             self.executor_states.release(seq)
             for queue in (self.running, self.waiting):
                 if seq in queue:
                     queue.remove(seq)
-            seq.status = RequestStatus.FINISHED
+            seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "error"
             seq.pending_forks = 0
             self._doomed.append(seq)
@@ -227,7 +217,7 @@ class Scheduler:
                 log.exception("freeing the blocks of failed request %s", seq.request_id)
         self._doomed.clear()
 
-    def _preempt(self, req: Request, swap_out: list[tuple[int, int]] | None = None) -> None:
+    def _preempt(self, req: Sequence, swap_out: list[tuple[int, int]] | None = None) -> None:
         """Free a running request's blocks; swap its KV out if swap_out collects copies
         and there is room, else it is recomputed later."""
         if swap_out is not None and self.swap is not None and self.swap.can_swap_out(len(req.block_table)):
@@ -240,7 +230,7 @@ class Scheduler:
             req.num_computed_tokens = 0
         self.blocks.free(req)
         self.executor_states.release(req)
-        req.status = RequestStatus.WAITING
+        req.status = SequenceStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
@@ -259,8 +249,8 @@ class Scheduler:
         self.blocks.reset_cache()
         self.executor_states.reset()  # the executor restarted or lost steps: every state goes again
 
-    def replace_pool(self, blocks: BlockManager, swap: SwapSpace | None, config: SchedulerConfig,
-                     ) -> list[tuple[Request, str]]:
+    def replace_pool(self, blocks: BlockManager, swap: HostBlockPool | None, config: SchedulerConfig,
+                     ) -> list[tuple[Sequence, str]]:
         """Go on with another pool (block count, block size, swap space, context length):
         every request loses its KV and is recomputed there. Those the new pool can never
         hold end ("error") and are returned with why."""
@@ -268,13 +258,14 @@ class Scheduler:
         self.blocks, self.config = blocks, config
         self.swap = swap if config.preemption_mode == "swap" else None
         ended = []
-        for request_id, group in list(self.requests.items()):
-            for seq in group:
+        for request_id, group in list(self.groups.items()):
+            for seq in group.seqs:
                 seq.block_hashes.clear()  # digests of blocks of the old size
-            problem = self.check_fits(group[0])
+            first = group.seqs[0]
+            problem = self.check_fits(first)
             if problem is not None:
                 self.finish_request(request_id, "error")
-                ended.append((group[0], problem))
+                ended.append((first, problem))
         return ended
 
     def confirm_swaps(self, step_id: int) -> None:
@@ -285,28 +276,29 @@ class Scheduler:
         """Step step_id failed, maybe before its swaps ran: the host blocks it was to write
         hold nothing, so the sequences it swapped out free them and are recomputed."""
         for req in self._swap_outs.pop(step_id, []):
-            if req.status is RequestStatus.WAITING and req.swapped_blocks:
+            if req.status is SequenceStatus.WAITING and req.swapped_blocks:
                 self.swap.free(req.swapped_blocks)
                 req.num_computed_tokens = 0
 
-    def _fork(self, parent: Request) -> None:
+    def _fork(self, parent: Sequence) -> None:
         """Parallel samples share every block the parent has computed so far."""
         for i in range(parent.params.n - parent.pending_forks, parent.params.n):
             child = parent.spawn(i)
             self.blocks.fork(parent, child)
-            child.status = RequestStatus.RUNNING
-            self.requests[parent.request_id].append(child)
+            child.status = SequenceStatus.RUNNING
+            self.groups[parent.request_id].seqs.append(child)
             self.running.append(child)
         parent.pending_forks = 0
 
-    def fail_rows(self, chunks: list[ScheduledChunk], failed: list[FailedRow]) -> list[tuple[Request, FailedRow]]:
+    def fail_rows(self, chunks: list[ScheduledChunk], failed: list[FailedRow]) -> list[tuple[Sequence, FailedRow]]:
         """End the requests of the step's rows the executor failed alone, before the result is
         applied (their rows are then skipped); a request with several failed rows ends once.
         Returns each ended request with the row that ended it."""
         out = []
         for row in failed:
-            req = chunks[row.index].request
-            if req.is_finished or req not in self.requests.get(req.request_id, ()):
+            req = chunks[row.index].sequence
+            group = self.groups.get(req.request_id)
+            if req.is_finished or group is None or req not in group.seqs:
                 continue  # it ended while the step ran
             log.warning("request %s failed in the executor (%d): %s", req.request_id, row.status, row.message)
             ended = self.finish_request(req.request_id, "error")
@@ -416,10 +408,10 @@ class Scheduler:
         self._admit_waiting(budget, admitted, swap_in)
         return self._assemble(chunks + admitted, seqs + self._seqs(admitted), copies, [], swap_in)
 
-    def _ahead_of(self, in_flight: list[ScheduledChunk]) -> list[tuple[Request, int]] | None:
+    def _ahead_of(self, in_flight: list[ScheduledChunk]) -> list[tuple[Sequence, int]] | None:
         """The running sequences `schedule_ahead` can step, each with the position its next
         token goes to; None when one of them must wait for the result in flight."""
-        sampling = {id(c.request): c for c in in_flight if c.samples}
+        sampling = {id(c.sequence): c for c in in_flight if c.samples}
         going = []
         for req in self.running:
             if req.reply_to in self.held:
@@ -432,7 +424,7 @@ class Scheduler:
                 going.append((req, req.num_computed_tokens + chunk.num_tokens))
         return going
 
-    def _ahead_seq(self, req: Request, start: int) -> ScheduledSeq:
+    def _ahead_seq(self, req: Sequence, start: int) -> ScheduledSeq:
         seq = ScheduledSeq(
             request_id=req.request_id,
             token_ids=[PREVIOUS_TOKEN],
@@ -451,16 +443,27 @@ class Scheduler:
         self._step_bytes = 0
         self._step_new.clear()
 
-    def _fits_bytes(self, req: Request, num_tokens: int) -> bool:
+    def _fits_bytes(self, req: Sequence, num_tokens: int) -> bool:
         """Whether a chunk of num_tokens of req keeps the step being built under max_step_bytes
         (then it is counted). A step's first chunk always fits: admission saw that it can."""
+        cost = self._step_cost(req, num_tokens)
+        if cost is None:
+            return False
+        self._count_step_cost(req, cost)
+        return True
+
+    def _step_cost(self, req: Sequence, num_tokens: int) -> int | None:
+        """The estimated bytes a chunk of num_tokens of req adds to the step being built, or
+        None if they would take it past max_step_bytes; nothing is counted yet."""
         cost = self.executor_states.seq_cost(req, num_tokens, self.blocks.block_size, self._step_new)
         if self._step_bytes and self._step_bytes + cost > self.config.max_step_bytes:
-            return False
+            return None
+        return cost
+
+    def _count_step_cost(self, req: Sequence, cost: int) -> None:
         self._step_bytes += cost
         if not self.executor_states.holds_request(req.request_id):
             self._step_new.add(req.request_id)
-        return True
 
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk], swap_in: list[tuple[int, int]]) -> None:
         """Admit waiting sequences in order while the budget, the running cap and the pool allow."""
@@ -474,20 +477,20 @@ class Scheduler:
             except Exception as exc:
                 self._doom(req, exc)
                 continue
-            if chunks and chunks[-1].request is req:
+            if chunks and chunks[-1].sequence is req:
                 budget -= chunks[-1].num_tokens
 
     def _seqs(self, chunks: list[ScheduledChunk]) -> list[ScheduledSeq | None]:
         """The step's entries of these chunks; None for one whose request failed building it."""
         seqs = []
         for c in chunks:
-            if c.request.is_finished:  # a sibling failed before it: dropped from the step
+            if c.sequence.is_finished:  # a sibling failed before it: dropped from the step
                 seqs.append(None)
                 continue
             try:
                 seqs.append(self._seq(c))
             except Exception as exc:
-                self._doom(c.request, exc)
+                self._doom(c.sequence, exc)
                 seqs.append(None)
         return seqs
 
@@ -496,7 +499,7 @@ class Scheduler:
                   ) -> tuple[ExecuteStep, list[ScheduledChunk]] | None:
         # A failure drops every chunk of its request; the failed request's blocks are
         # freed only now, so no other sequence of this step was given one of them.
-        kept = [(seq, c) for seq, c in zip(seqs, chunks, strict=True) if not c.request.is_finished]
+        kept = [(seq, c) for seq, c in zip(seqs, chunks, strict=True) if not c.sequence.is_finished]
         self._release_doomed()
         if not kept and not swap_out:
             return None
@@ -507,12 +510,12 @@ class Scheduler:
         self._next_step_id += 1
         return step, chunks
 
-    def _next_waiting(self) -> Request | None:
+    def _next_waiting(self) -> Sequence | None:
         if not self.held:
             return self.waiting[0]
         return next((r for r in self.waiting if r.reply_to not in self.held), None)
 
-    def _admit(self, req: Request, budget: int, chunks: list[ScheduledChunk], swap_in: list[tuple[int, int]]) -> bool:
+    def _admit(self, req: Sequence, budget: int, chunks: list[ScheduledChunk], swap_in: list[tuple[int, int]]) -> bool:
         """Start the first waiting sequence if it fits (or make room by preempting an
         idle beam); False when nothing more can be admitted this step."""
         restoring = bool(req.swapped_blocks)
@@ -520,24 +523,27 @@ class Scheduler:
             return False  # its swap-out is in the step in flight, not known to be done
         if restoring:
             n = self._chunk_size(req, req.num_computed_tokens, budget)
-            fits = self.blocks.can_restore(req, n)
-        else:
-            n = self._chunk_size(req, self.blocks.num_cached_tokens(req), budget)
-            fits = self.blocks.can_allocate(req, n)
-        if not fits:
-            return self._preempt_idle_beam(chunks)
-        if n and not self._fits_bytes(req, n):
-            return False
-        if restoring:
+            if not self.blocks.can_restore(req, n):
+                return self._preempt_idle_beam(chunks)
+            if n and not self._fits_bytes(req, n):
+                return False
             swap_in.extend(zip(req.swapped_blocks, self.blocks.restore(req, n), strict=True))
             self.swap.free(req.swapped_blocks)
             self.num_swapped_in_total += 1
         else:
-            self.blocks.allocate(req, n)  # takes the cached prefix: num_computed_tokens moves
+            computed = self.blocks.get_computed_blocks(req)  # the one prefix lookup of this admission
+            n = self._chunk_size(req, len(computed) * self.blocks.block_size, budget)
+            cost = self._step_cost(req, n) if n else None
+            if n and cost is None:  # over the step's bytes: checked before anything is allocated
+                return False
+            if self.blocks.allocate_slots(req, n, computed) is None:
+                return self._preempt_idle_beam(chunks)
+            if n:
+                self._count_step_cost(req, cost)
             if req.num_preemptions == 0 and not req.num_output_tokens:
                 req.num_cached_tokens = req.num_computed_tokens
         self.waiting.remove(req)
-        req.status = RequestStatus.RUNNING
+        req.status = SequenceStatus.RUNNING
         self.running.append(req)
         if n == 0:  # the cache already holds everything before the fork point
             self._fork(req)
@@ -554,18 +560,18 @@ class Scheduler:
             self._yield_idle_beam(idle)
         return idle is not None
 
-    def _idle_beam(self, chunks: list[ScheduledChunk]) -> Request | None:
-        scheduled = {id(c.request) for c in chunks}
+    def _idle_beam(self, chunks: list[ScheduledChunk]) -> Sequence | None:
+        scheduled = {id(c.sequence) for c in chunks}
         return next((r for r in reversed(self.running) if r.candidates is not None and id(r) not in scheduled), None)
 
-    def _yield_idle_beam(self, req: Request) -> None:
+    def _yield_idle_beam(self, req: Sequence) -> None:
         self.running.remove(req)
         self._preempt(req)
         self.waiting.remove(req)
         self.waiting.append(req)
 
     @staticmethod
-    def _chunk_size(req: Request, computed: int, budget: int) -> int:
+    def _chunk_size(req: Sequence, computed: int, budget: int) -> int:
         """Tokens to compute this step; a sequence about to fork stops at its fork point."""
         n = min(req.num_tokens - computed, budget)
         if req.pending_forks:
@@ -573,7 +579,7 @@ class Scheduler:
         return n
 
     def _seq(self, chunk: ScheduledChunk) -> ScheduledSeq:
-        req, start = chunk.request, chunk.request.num_computed_tokens
+        req, start = chunk.sequence, chunk.sequence.num_computed_tokens
         seq = ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.token_ids(start, start + chunk.num_tokens),
@@ -594,31 +600,31 @@ class Scheduler:
     def expected_outputs(chunks: list[ScheduledChunk]) -> tuple[int, int, int]:
         """How many beam candidate lists, sampled-token logprobs and scored-prompt lists the
         result of a step of these chunks must hold (before it is applied)."""
-        beams = sum(1 for c in chunks if c.samples and c.request.params.use_beam_search)
-        logprobs = sum(1 for c in chunks if c.samples and c.request.sampling.logprobs is not None
-                       and not c.request.params.use_beam_search)
-        scored = sum(1 for c in chunks if c.request.score_targets(c.request.num_computed_tokens, c.num_tokens))
+        beams = sum(1 for c in chunks if c.samples and c.sequence.params.use_beam_search)
+        logprobs = sum(1 for c in chunks if c.samples and c.sequence.sampling.logprobs is not None
+                       and not c.sequence.params.use_beam_search)
+        scored = sum(1 for c in chunks if c.sequence.score_targets(c.sequence.num_computed_tokens, c.num_tokens))
         return beams, logprobs, scored
 
     def process_results(
         self, chunks: list[ScheduledChunk], sampled: list[int], top_logprobs: list[list[tuple[int, float]]] = (),
         logprobs: list[TokenLogprob] = (), prompt_logprobs: list[list[TokenLogprob]] = (),
-    ) -> list[tuple[Request, TokenDelta]]:
+    ) -> list[tuple[Sequence, TokenDelta]]:
         """Apply one step's sampled tokens (and beams' candidates, the sampled tokens' logprobs
         and the scored prompt positions, each given in step order for the sequences that have
         them); returns the deltas to send, by request."""
         self.num_steps_total += 1
-        out: list[tuple[Request, TokenDelta]] = []
+        out: list[tuple[Sequence, TokenDelta]] = []
         candidates, token_lps, scored = iter(top_logprobs), iter(logprobs), iter(prompt_logprobs)
         touched_beams = set()
         for chunk, token in zip(chunks, sampled, strict=True):
-            req = chunk.request
+            req = chunk.sequence
             samples = chunk.samples
             beam_cands = next(candidates) if samples and req.params.use_beam_search else None
             token_lp = (next(token_lps) if samples and req.sampling.logprobs is not None
                         and not req.params.use_beam_search else None)
             positions = next(scored) if req.score_targets(req.num_computed_tokens, chunk.num_tokens) else None
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not SequenceStatus.RUNNING:
                 continue  # aborted, finished, failed or preempted while the step ran
             try:
                 if positions is not None:
@@ -642,7 +648,7 @@ class Scheduler:
     def _apply(self, chunk: ScheduledChunk, token: int, beam_cands: list | None,
                token_lp: TokenLogprob | None = None) -> TokenDelta | None:
         """One sequence's share of a step's result; the delta to send, if any."""
-        req = chunk.request
+        req = chunk.sequence
         samples = chunk.samples
         if samples:  # a forged or broken result fails its request, before anything changes
             top = token_limit(self.config.vocab_size)
@@ -677,63 +683,43 @@ class Scheduler:
                 delta.prompt_logprobs = req.prompt_logprobs
         return delta
 
-    def _first_of_request(self, req: Request) -> bool:
+    def _first_of_request(self, req: Sequence) -> bool:
         """Whether this is the request's first delta among its samples (counted if so)."""
         if req.params.n == 1:
             return True
-        if req.request_id in self._prompt_logprobs_sent:
-            return False
-        self._prompt_logprobs_sent.add(req.request_id)
-        return True
+        group = self.groups[req.request_id]
+        first, group.first_delta_sent = not group.first_delta_sent, True
+        return first
 
-    def _advance_beams(self, request_id: str) -> list[tuple[Request, TokenDelta]]:
-        """Once every live beam has its candidates: choose the next beams, fork and drop
-        sequences to match, and end the search when it is done."""
-        state, group = self.beams.get(request_id), self.requests.get(request_id, [])
-        live = [r for r in group if not r.is_finished]
-        if state is None or not live or any(r.candidates is None for r in live):
+    def _advance_beams(self, request_id: str) -> list[tuple[Sequence, TokenDelta]]:
+        """Once every live beam has its candidates: step the search (`beam_search.advance`),
+        end the beams it dropped, and the search when it is done."""
+        group = self.groups.get(request_id)
+        live = group.live if group is not None and group.beam is not None else []
+        if not live or any(r.candidates is None for r in live):
             return []
         first = live[0]
-        params = first.params
-
-        def is_end(tok: int) -> bool:
-            return (tok in first.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids
-
-        chosen = beam_search.select(state, live, is_end)
-        continued: list[Request] = []
-        for c in chosen:  # fork first: a child copies its parent's state before the parent moves
-            beam = c.parent
-            if beam in continued:
-                beam = beam.spawn(state.next_seq_index)
-                state.next_seq_index += 1
-                beam.output_token_ids = c.parent.output_token_ids.fork()
-                self.blocks.fork(c.parent, beam)
-                if not c.parent.block_table:  # the parent was preempted: so is its child
-                    beam.num_computed_tokens = 0
-                beam.status = c.parent.status if c.parent.block_table else RequestStatus.WAITING
-                (self.running if beam.status is RequestStatus.RUNNING else self.waiting).append(beam)
-                self.requests[request_id].append(beam)
-            continued.append(beam)
-        for beam, c in zip(continued, chosen, strict=True):
-            beam.output_token_ids.append(c.token)
-            beam.cum_logprob = c.cum_logprob
-            beam.candidates = None
-        for beam in live:
-            if beam not in continued:
-                self._finish(beam, "dropped")
-        length = len(continued[0].output_token_ids) if continued else 0
-        out_of_room = continued and continued[0].stop_reason(self.config.max_model_len) == "length"
-        best = max((b.cum_logprob for b in continued), default=float("-inf"))
-        if continued and not out_of_room and not state.is_done(best, length):
+        continued, dropped, done = beam_search.advance(group.beam, live, self._fork_beam, self.config.max_model_len)
+        for beam in dropped:
+            self._finish(beam, "dropped")
+        if not done:
             return []
-        for beam in continued:
-            score = beam_search.beam_score(beam.cum_logprob, length, state.length_penalty)
-            if state.would_keep(score):
-                state.add_finished(beam_search.Hypothesis(score, beam.output_token_ids, "length"))
         for beam in continued:
             self._finish(beam, "length")
         return [(first, TokenDelta(request_id, list(hyp.token_ids), first.num_prompt_tokens, hyp.finish_reason, i))
-                for i, hyp in enumerate(state.finished[: params.n])]
+                for i, hyp in enumerate(group.beam.finished[: group.params.n])]
+
+    def _fork_beam(self, parent: Sequence, seq_index: int) -> Sequence:
+        """A second beam continuing parent: its blocks shared, its output history forked."""
+        beam = parent.spawn(seq_index)
+        beam.output_token_ids = parent.output_token_ids.fork()
+        self.blocks.fork(parent, beam)
+        if not parent.block_table:  # the parent was preempted: so is its child
+            beam.num_computed_tokens = 0
+        beam.status = parent.status if parent.block_table else SequenceStatus.WAITING
+        (self.running if beam.status is SequenceStatus.RUNNING else self.waiting).append(beam)
+        self.groups[parent.request_id].seqs.append(beam)
+        return beam
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -762,13 +748,13 @@ class Scheduler:
             self.decode_forward_seconds_total += forward_s
 
     def check_invariants(self) -> None:
-        live = [r for group in self.requests.values() for r in group if not r.is_finished]
+        live = [r for group in self.groups.values() for r in group.live]
         self.blocks.check_invariants(r.block_table for r in live)
         for r in self.waiting:
             assert not r.block_table and (r.num_computed_tokens == 0 or r.swapped_blocks)
         if self.swap is not None:
             self.swap.check_invariants([r.swapped_blocks for r in live])
         # a swap-out whose step is not answered yet is not swapped back in
-        assert not any(r.status is RequestStatus.RUNNING for reqs in self._swap_outs.values() for r in reqs)
+        assert not any(r.status is SequenceStatus.RUNNING for reqs in self._swap_outs.values() for r in reqs)
         assert set(self.running) | set(self.waiting) == set(live)
         assert len(self.running) + len(self.waiting) == len(live)

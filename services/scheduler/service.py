@@ -45,15 +45,15 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from services.scheduler.host_block_pool import HostBlockPool
 from services.scheduler.kv_accounting import kv_usage
 from services.scheduler.options import WARMUP_FACTOR, fit_to_executor
 from services.scheduler.outbox import Outbox
 from services.scheduler.pool_snapshot import pool_snapshot
 from services.scheduler.pool_watch import PoolWatch
-from services.scheduler.request import Request
 from services.scheduler.reservation import make_allocator
 from services.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from services.scheduler.swap_space import SwapSpace
+from services.scheduler.sequence import Sequence
 from shared.config import Addresses, BatchLimits
 from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
@@ -165,7 +165,7 @@ class SchedulerService:
             log.warning("--preemption-mode swap without executor swap space: preempted requests recompute")
         blocks = make_allocator(self.args.kv_policy, msg.num_kv_blocks, msg.block_size, max_len,
                                 self.args.prefix_caching)
-        return config, blocks, SwapSpace(msg.num_swap_blocks)
+        return config, blocks, HostBlockPool(msg.num_swap_blocks)
 
     def on_executor_ready(self, msg: ExecutorReady) -> None:
         if msg.instance and msg.instance == self.executor_instance and self.executor_lost is None:
@@ -225,7 +225,7 @@ class SchedulerService:
             log.error("step %d failed: %s", msg.step_id, msg.message)
             self.scheduler.undo_swaps(msg.step_id)
             for chunk in chunks:
-                req = self.scheduler.finish_request(chunk.request.request_id, "error")
+                req = self.scheduler.finish_request(chunk.sequence.request_id, "error")
                 if req is not None:
                     self._reply(req.reply_to, RequestError(req.request_id, 500, f"model execution failed: {msg.message}", "internal_error"))
             return
@@ -249,7 +249,7 @@ class SchedulerService:
 
     def _fail(self, request_id: str, peer: bytes, exc: Exception) -> None:
         """A message about one request raised: that request fails, nothing else."""
-        if self.scheduler is not None and request_id in self.scheduler.requests:
+        if self.scheduler is not None and request_id in self.scheduler.groups:
             self.scheduler.fail_request(request_id, exc)
             self._report_failures()
         else:
@@ -266,10 +266,10 @@ class SchedulerService:
         if self.scheduler is None:
             self.pending.append((peer, msg))
             return
-        req = Request(msg.request_id, list(msg.prompt_token_ids), msg.params, frozenset(msg.eos_token_ids),
+        req = Sequence(msg.request_id, list(msg.prompt_token_ids), msg.params, frozenset(msg.eos_token_ids),
                       msg.arrival_time, reply_to=peer, compiled_grammar=msg.compiled_grammar)
         problem = self.scheduler.check_fits(req)
-        if problem is None and msg.request_id in self.scheduler.requests:
+        if problem is None and msg.request_id in self.scheduler.groups:
             problem = f"request id {msg.request_id!r} is already in use"
         if problem is not None:
             self._reply(peer, RequestError(msg.request_id, 400, problem))
@@ -328,7 +328,7 @@ class SchedulerService:
             return
         self.scheduler.held = self.outbox.held
         for peer in self.outbox.stalled():
-            owned = [rid for rid, group in self.scheduler.requests.items() if group[0].reply_to == peer]
+            owned = [rid for rid, group in self.scheduler.groups.items() if group.reply_to == peer]
             log.error("tokenizer replica %r has read nothing for %.0f s (%d replies waiting): failing its %d requests",
                       peer, STALL_TIMEOUT_S, self.outbox.backlog(peer), len(owned))
             for rid in owned:

@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.scheduler.kv_accounting import KVUsage, kv_usage
-from services.scheduler.request import Request
 from services.scheduler.reservation import make_allocator
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.sequence import Sequence
 from services.simulator.step_time import StepTimeModel
 from services.simulator.workload import TraceRequest
 from shared.messages import SamplingParams
@@ -134,7 +134,7 @@ def simulate(policy: str, trace: list[TraceRequest], cfg: SimConfig) -> PolicyRe
     while t < cfg.duration_s:
         while i < len(trace) and trace[i].arrival <= t:
             tr = trace[i]
-            req = Request(f"r{i}", [TOKEN] * tr.prompt_len,
+            req = Sequence(f"r{i}", [TOKEN] * tr.prompt_len,
                           SamplingParams(max_tokens=tr.output_len, ignore_eos=True), frozenset({EOS}), tr.arrival)
             i += 1
             arrived += 1

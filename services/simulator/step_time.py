@@ -36,7 +36,7 @@ class StepTimeModel:
         """Seconds for a step, from its chunks as scheduled (before results apply)."""
         prefill = decode = context = 0
         for c in chunks:
-            req = c.request
+            req = c.sequence
             if c.num_tokens == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
                 decode += 1
                 context += req.num_computed_tokens + 1

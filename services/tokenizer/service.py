@@ -10,7 +10,7 @@ tokens users are waiting for, while a new prompt can wait a moment. Each new req
 acknowledged to the gateway with this process's instance id, so that the gateway can
 retry the requests of a replica that dies. With several engines (data parallelism,
 --scheduler-in a comma-separated list, one address per engine) it routes each request
-to one of them (`engines.EngineLinks`, `engine_router.EngineRouter`), by the engines'
+to one of them (`engine_links.EngineLinks`, `engine_router.EngineRouter`), by the engines'
 loads the gateway sends (EngineLoads). When the gateway that sent requests is gone (a
 new gateway instance, or its GatewayBeats stop: `gateway_watch`), their aborts go to the
 scheduler, so a dead gateway's requests stop generating. Structured output specs compile
@@ -29,10 +29,10 @@ import threading
 import time
 
 import zmq
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, GenerationConfig
 
 from services.tokenizer import grammar_pool
-from services.tokenizer.engines import EngineLinks
+from services.tokenizer.engine_links import EngineLinks
 from services.tokenizer.gateway_watch import GatewayWatch
 from services.tokenizer.prompts import PromptBuilder
 from services.tokenizer.stage import TokenizerStage
@@ -48,7 +48,7 @@ from shared.messages import (
     RequestAccepted,
     TokenizerToGateway,
 )
-from shared.model_files import resolve_model
+from shared.model_files import load_tokenizer, resolve_model
 from shared.transport import DealerSocket, PushSocket, configure, wait_readable
 
 log = logging.getLogger(__name__)
@@ -59,10 +59,10 @@ GATEWAY_BATCH = 8  # new requests taken per turn before looking at the scheduler
 GATEWAY_CHECK_S = 0.25  # how often the gateway's liveness is looked at
 
 
-def load_model(model: str, max_model_len: int | None):
+def load_prompt_builder(model: str, max_model_len: int | None):
     """(tokenizer, PromptBuilder, eos token ids) for the model."""
     path = resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     config = AutoConfig.from_pretrained(path).get_text_config()
     model_len = max_model_len or getattr(config, "max_position_embeddings", None)
     if not model_len:
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     scheduler = EngineLinks(ctx, addrs.scheduler_in.split(","), replica, args.routing, to_gateway.send)
     from_gateway = None
     try:
-        tokenizer, prompts, eos = load_model(args.model, args.max_model_len)
+        tokenizer, prompts, eos = load_prompt_builder(args.model, args.max_model_len)
         grammars = None
         if structured_output.available():  # workers start on the first constrained request
             grammars = grammar_pool.GrammarPool.for_tokenizer(

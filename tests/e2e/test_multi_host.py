@@ -31,8 +31,9 @@ import pytest
 
 from services import launcher
 from shared.config import Addresses
+from shared.ports import free_port
 from tests.e2e.load import dumps, greedy, run_load
-from tests.helpers import ROOT, ServerProcess, free_port, get, parse_metrics
+from tests.helpers import ROOT, ServerProcess, get, parse_metrics
 
 ENGINES = 2
 OPTIONS = ["--dtype", "float32", "--served-model-name", "tiny-llama", "--executor-threads", "1",

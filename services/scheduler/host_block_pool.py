@@ -1,6 +1,7 @@
-"""Host-memory swap space: which host blocks hold the KV of swapped-out sequences.
+"""The scheduler's host block pool: which host blocks hold the KV of swapped-out sequences.
 
-Bookkeeping only: the executor owns the host tensors and does the copies the
+Bookkeeping only (the swap space of `--swap-space`): the executor owns the host tensors
+(`services/executor/host_kv_cache.py`) and does the copies the
 scheduler lists in a step (`swap_out` device -> host, `swap_in` host -> device).
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 
-class SwapSpace:
+class HostBlockPool:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))

@@ -1,8 +1,10 @@
-"""Host-memory swap space for the KV of preempted sequences, and the block moves.
+"""The executor's host KV cache (the swap space of `--swap-space`): the KV of preempted
+sequences in host memory, and the block moves.
 
 One K and one V tensor per layer, shaped like the device pool, in host memory
 (pinned on CUDA, so copies can overlap). The scheduler decides which device block
-goes to which host block and back; this only copies.
+goes to which host block and back (`services/scheduler/host_block_pool.py`); this only
+copies.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 from services.executor.kv_cache import KVCache, bytes_per_block
 
 
-class SwapSpace:
+class HostKVCache:
     def __init__(self, pool: KVCache, memory_bytes: int):
         k0 = pool.k_caches[0]
         num_layers = len(pool.k_caches)
