@@ -24,6 +24,21 @@ def make(rid, prompt_len, max_tokens, **params):
     return Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), frozenset({EOS}), 0.0)
 
 
+
+def move_blocks(step, pool: dict, host: dict, bs: int) -> None:
+    """A step's swaps and copy-on-write copies on slot -> token maps of the device pool and
+    the host, as the executor moves KV (swap-outs first, then swap-ins, then copies)."""
+    for pairs, src_pool, dst_pool in ((step.swap_out, pool, host), (step.swap_in, host, pool)):
+        for src, dst in pairs:
+            for off in range(bs):
+                dst_pool.pop(dst * bs + off, None)
+                if src * bs + off in src_pool:
+                    dst_pool[dst * bs + off] = src_pool[src * bs + off]
+    for src, dst in step.block_copies:
+        for off in range(bs):
+            if src * bs + off in pool:
+                pool[dst * bs + off] = pool[src * bs + off]
+
 class FakeExecutor:
     """A model stand-in that reads tokens back through the slots it is given, so a wrong
     block table, slot mapping or missing block copy shows up as a wrong output."""
@@ -37,17 +52,7 @@ class FakeExecutor:
     def execute(self, step) -> list[int]:
         bs = self.bs
         self.top_logprobs = []
-        for pairs, src_pool, dst_pool in ((step.swap_out, self.pool, self.host),
-                                          (step.swap_in, self.host, self.pool)):
-            for src, dst in pairs:
-                for off in range(bs):
-                    dst_pool.pop(dst * bs + off, None)
-                    if src * bs + off in src_pool:
-                        dst_pool[dst * bs + off] = src_pool[src * bs + off]
-        for src, dst in step.block_copies:
-            for off in range(bs):
-                if src * bs + off in self.pool:
-                    self.pool[dst * bs + off] = self.pool[src * bs + off]
+        move_blocks(step, self.pool, self.host, bs)
         sampled = []
         for seq in step.seqs:
             assert len(seq.slot_mapping) == len(seq.token_ids)

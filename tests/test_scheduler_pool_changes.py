@@ -19,6 +19,7 @@ from shared.messages import (
     StepResult,
     TokenizedRequest,
 )
+from tests.test_scheduler import move_blocks
 from tests.test_scheduler_service import Stage, ended, steps_sent
 
 
@@ -70,16 +71,7 @@ class KVExecutor:
         if problem is not None:
             return StepFailed(step.step_id, problem)
         bs = self.bs
-        for pairs, src_pool, dst_pool in ((step.swap_out, self.pool, self.host), (step.swap_in, self.host, self.pool)):
-            for src, dst in pairs:
-                for off in range(bs):
-                    dst_pool.pop(dst * bs + off, None)
-                    if src * bs + off in src_pool:
-                        dst_pool[dst * bs + off] = src_pool[src * bs + off]
-        for src, dst in step.block_copies:
-            for off in range(bs):
-                if src * bs + off in self.pool:
-                    self.pool[dst * bs + off] = self.pool[src * bs + off]
+        move_blocks(step, self.pool, self.host, bs)
         sampled = []
         for seq in step.seqs:
             key = (seq.request_id, seq.seq_index)

@@ -80,13 +80,25 @@ async def send(session: aiohttp.ClientSession, url: str, method: str, path: str,
     return resp.status
 
 
+STAGES = ("gateway", "scheduler", "executor", "tokenizer")
+
+
+def stage_pids(server) -> dict[str, int]:
+    return {stage: server.stage_pid(stage) for stage in STAGES}
+
+
+def honest_baseline(server, n: int, seed: int, max_tokens: int) -> tuple[dict, list[dict], list]:
+    """The stages' pids, n honest greedy streams and what they give alone (every one whole)."""
+    pids = stage_pids(server)
+    honest = [greedy(p, max_tokens) for p in prompts(n, seed=seed)]
+    alone = asyncio.run(run_load(server.url, [], honest))
+    assert all(r[0] == 200 and r[3] is None and r[4] for r in alone), alone[:3]
+    return pids, honest, alone
+
+
 def test_hostile_requests_beside_honest_streams(tiny_server):
     url = tiny_server.url
-    stages = ("gateway", "scheduler", "executor", "tokenizer")
-    pids = {stage: tiny_server.stage_pid(stage) for stage in stages}
-    honest = [greedy(p, 24) for p in prompts(HONEST, seed=21)]
-    alone = asyncio.run(run_load(url, [], honest))
-    assert all(r[0] == 200 and r[3] is None and r[4] for r in alone), alone[:3]
+    pids, honest, alone = honest_baseline(tiny_server, HONEST, seed=21, max_tokens=24)
 
     async def together():
         limit = asyncio.Semaphore(8)
@@ -105,7 +117,7 @@ def test_hostile_requests_beside_honest_streams(tiny_server):
     assert not bad, bad
     assert {s for _, s in results} >= {200, 400, 405, 413, 415}
     assert beside == alone  # the same greedy text and ids, streamed to the end
-    assert {stage: tiny_server.stage_pid(stage) for stage in stages} == pids  # nothing restarted
+    assert stage_pids(tiny_server) == pids  # nothing restarted
     tiny_server.wait_blocks_free(timeout=30)
 
 
@@ -134,11 +146,7 @@ def test_constraints_that_leave_no_token_fail_alone_beside_honest_streams(tiny_s
     fields (at admission, or from the step where it runs out), the honest streams beside them
     end with their undisturbed output, and no stage restarts."""
     url = tiny_server.url
-    stages = ("gateway", "scheduler", "executor", "tokenizer")
-    pids = {stage: tiny_server.stage_pid(stage) for stage in stages}
-    honest = [greedy(p, 16) for p in prompts(16, seed=23)]
-    alone = asyncio.run(run_load(url, [], honest))
-    assert all(r[0] == 200 and r[3] is None and r[4] for r in alone), alone[:3]
+    pids, honest, alone = honest_baseline(tiny_server, 16, seed=23, max_tokens=16)
 
     async def together():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
@@ -158,7 +166,7 @@ def test_constraints_that_leave_no_token_fail_alone_beside_honest_streams(tiny_s
         if word == "bad_words":  # found in the step, by the executor
             assert "at output token 0" in data["error"]["message"], data
     assert beside == alone  # the same greedy text and ids, streamed to the end
-    assert {stage: tiny_server.stage_pid(stage) for stage in stages} == pids  # nothing restarted
+    assert stage_pids(tiny_server) == pids  # nothing restarted
     tiny_server.wait_blocks_free(timeout=30)
 
 
@@ -180,11 +188,7 @@ def test_issue19_attacks_beside_32_honest_streams(tiny_server):
     from tests.e2e.attacks import send as send_attack
 
     url = tiny_server.url
-    stages = ("gateway", "scheduler", "executor", "tokenizer")
-    pids = {stage: tiny_server.stage_pid(stage) for stage in stages}
-    honest = [greedy(p, 24) for p in prompts(32, seed=31)]
-    alone = asyncio.run(run_load(url, [], honest))
-    assert all(r[0] == 200 and r[3] is None and r[4] for r in alone), alone[:3]
+    pids, honest, alone = honest_baseline(tiny_server, 32, seed=31, max_tokens=24)
     gateway_before = rss_mib(pids["gateway"])
 
     async def together():
@@ -214,7 +218,7 @@ def test_issue19_attacks_beside_32_honest_streams(tiny_server):
     problems = [problem(a, status, data) for a, (status, data) in zip(attacks() * 2, answers, strict=True)]
     assert not [p for p in problems if p], [p for p in problems if p]
     assert beside == alone  # the same greedy text and ids, streamed to the end
-    assert {stage: tiny_server.stage_pid(stage) for stage in stages} == pids  # nothing restarted
+    assert stage_pids(tiny_server) == pids  # nothing restarted
     # the gateway kept its event loop: /v1/models answered all along (a generous bound for a
     # loaded 2-core CI machine; what matters is no multi-second stall)
     print(f"/v1/models during the attacks: {len(latencies)} polls, max {max(latencies) * 1000:.0f} ms")
