@@ -76,6 +76,14 @@ class StatefulExecutor(FakeExecutor):
                 for s in step.seqs]
 
 
+def assert_reference_outputs(reqs, outputs) -> None:
+    """Every sample of every request produced the stand-in model's output for its prompt."""
+    for r in reqs:
+        want = reference_output(r.prompt_token_ids, r.params.max_tokens)
+        for s in range(r.params.n):
+            assert outputs[r.request_id if r.params.n == 1 else (r.request_id, s)] == want
+
+
 def assert_all_released(sched: Scheduler, executor: StatefulExecutor) -> None:
     """Once everything ended, the next step (here an empty one) leaves the executor holding nothing."""
     assert len(sched.executor_states) == 0
@@ -157,10 +165,7 @@ def test_preemption_parallel_samples_and_penalties_keep_outputs_and_states_in_st
     executor = StatefulExecutor(sched)
     outputs = run(sched, executor)
     assert sched.num_preemptions_total > 0
-    for r in reqs:
-        want = reference_output(r.prompt_token_ids, r.params.max_tokens)
-        for s in range(r.params.n):
-            assert outputs[r.request_id if r.params.n == 1 else (r.request_id, s)] == want
+    assert_reference_outputs(reqs, outputs)
     assert_all_released(sched, executor)
 
 
@@ -239,10 +244,7 @@ def test_steps_built_ahead_keep_the_executor_state_right():
     executor.chunks = None
     outputs, _, ahead = run_pipelined(sched, executor=executor)
     assert ahead > 0
-    for r in reqs:
-        want = reference_output(r.prompt_token_ids, r.params.max_tokens)
-        for s in range(r.params.n):
-            assert outputs[r.request_id if r.params.n == 1 else (r.request_id, s)] == want
+    assert_reference_outputs(reqs, outputs)
     assert_all_released(sched, executor)
 
 
