@@ -67,7 +67,7 @@ class ChatOptions(Struct, frozen=True):
 class TokenLogprob(Struct, array_like=True, gc=False):
     """One token's log-probability (log-softmax of the model's raw logits), its rank in the
     vocabulary (1 = most likely), and the top candidates at its position, best first.
-    token and bytes are filled in by the tokenizer stage."""
+    token and bytes are filled in by the gateway."""
 
     token_id: int
     logprob: float
@@ -94,10 +94,13 @@ class ChatMessage(Struct, frozen=True):
 
 
 # --- gateway -> tokenizer -------------------------------------------------------------
+# A tokenizer replica is a stateless worker: it answers each message, keeping nothing per
+# request once it answered (a grammar being compiled is all it holds meanwhile).
 
 
 class GenerateRequest(Struct, tag=True):
-    """A new request. Exactly one of prompt, prompt_token_ids, messages is set."""
+    """A new request, to be made into a TokenizedRequest. Exactly one of prompt,
+    prompt_token_ids, messages is set."""
 
     request_id: str
     params: SamplingParams
@@ -106,25 +109,13 @@ class GenerateRequest(Struct, tag=True):
     messages: list[ChatMessage] | None = None
     chat: ChatOptions | None = None
     add_special_tokens: bool | None = None  # None: the default for the prompt's kind
-    # the gateway process that sent it (its INSTANCE_ID): when that gateway is gone (a new
-    # instance beats, or GatewayBeats stop), the tokenizer replica aborts the request
-    gateway_instance: str = ""
 
 
 class AbortRequest(Struct, tag=True):
-    """The client went away or the request must stop; sent down the pipeline."""
+    """The request must stop: to the scheduler that runs it (its blocks are freed), or to the
+    tokenizer replica compiling its grammar (the compile is cancelled)."""
 
     request_id: str
-
-
-class WatchPool(Struct, tag=True):
-    """A dashboard page is open: the scheduler sends a PoolSnapshot on the status
-    channel every interval_s until ttl_s after it received this message. The gateway
-    renews it while a page watches, so nothing is sent once nobody does. The tokenizer
-    replica that takes it passes it on to the scheduler unchanged."""
-
-    interval_s: float = 0.25
-    ttl_s: float = 3.0
 
 
 class TokenizeRequest(Struct, tag=True):
@@ -146,62 +137,27 @@ class DetokenizeRequest(Struct, tag=True):
     token_ids: list[int]
 
 
-class EngineLoad(Struct, array_like=True):
-    """One engine that takes new requests, and its load from its scheduler's heartbeat."""
-
-    engine: str
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0  # fraction of its KV blocks in use
-    block_size: int = 16
-    # its scheduler's instance: a new one (a restart) starts with an empty prefix cache.
-    # Last, with a default, so that an older sender's shorter array still decodes.
-    instance: str = ""
-
-
-class EngineLoads(Struct, tag=True):
-    """Data parallelism: the engines new requests may go to (live ones only), sent by the
-    gateway to every tokenizer replica several times a second and at once when an engine
-    is lost or comes back; the replicas' EngineRouter routes by it."""
-
-    engines: list[EngineLoad]
-
-
-class GatewayBeat(Struct, tag=True):
-    """The gateway is alive: sent to every live tokenizer replica every GATEWAY_BEAT_S
-    (`services.gateway.engine_client`), so a replica can abort the requests of a gateway
-    that died (`services.tokenizer.gateway_watch`)."""
-
-    instance: str
-
-
-GatewayToTokenizer = (GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | WatchPool | EngineLoads
-                      | GatewayBeat)
+GatewayToTokenizer = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest
 
 
 # --- tokenizer -> gateway -------------------------------------------------------------
 
 
-class TextDelta(Struct, tag=True):
-    """New text of one sequence of a request (seq_index: which of its n choices);
-    finish_reason set means this is that sequence's last message."""
+class TokenizedRequest(Struct, tag=True):
+    """A request ready for an engine: the tokenizer replica's answer to a GenerateRequest,
+    which the gateway passes on to the scheduler of the engine it picks."""
 
     request_id: str
-    text: str
-    num_prompt_tokens: int
-    num_output_tokens: int
-    finish_reason: str | None = None
-    token_ids: list[int] = []  # the output tokens this delta covers, shown in text or not
-    seq_index: int = 0
-    logprobs: list[TokenLogprob] = []  # one per token_ids entry, when asked
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
-    # on a sequence's first delta, when asked (echo, prompt_logprobs): the prompt itself
-    prompt_text: str | None = None
-    prompt_token_ids: list[int] = []
-    # one per prompt token, when asked (echo with logprobs, prompt_logprobs); the first has
-    # rank 0: nothing predicts it, so it has no logprob
-    prompt_logprobs: list[TokenLogprob] = []
+    prompt_token_ids: list[int]
+    params: SamplingParams  # max_tokens resolved, bad_words_ids filled
+    eos_token_ids: list[int]
+    arrival_time: float
+    # params.structured compiled by the tokenizer stage (xgrammar's serialize_json), for the executor
+    compiled_grammar: str = ""
+    # A resumed request (its first engine was lost): the output its one sequence had produced,
+    # which the client has. The scheduler recomputes prompt + these and generates on after
+    # them, as after a preemption; set by the gateway, never by a tokenizer replica.
+    output_token_ids: list[int] = []
 
 
 class RequestError(Struct, tag=True):
@@ -214,14 +170,6 @@ class RequestError(Struct, tag=True):
     param: str | None = None
 
 
-class RequestAccepted(Struct, tag=True):
-    """A tokenizer replica took a request: if that replica dies, the gateway retries it."""
-
-    request_id: str
-    replica: str
-    instance: str  # the replica process's instance id, as in its heartbeats
-
-
 class TokenizeResult(Struct, tag=True):
     request_id: str
     token_ids: list[int]
@@ -230,43 +178,44 @@ class TokenizeResult(Struct, tag=True):
     text: str | None = None  # a DetokenizeRequest's answer
 
 
-class RequestRouted(Struct, tag=True):
-    """Data parallelism: the engine a tokenizer replica sent a request to, so that the
-    gateway can send it again elsewhere if that engine dies or hangs."""
-
-    request_id: str
-    engine: str
+TokenizerToGateway = TokenizedRequest | RequestError | TokenizeResult
 
 
-TokenizerToGateway = TextDelta | RequestError | RequestAccepted | TokenizeResult | RequestRouted
-
-
-# --- tokenizer -> scheduler -----------------------------------------------------------
-
-
-class TokenizedRequest(Struct, tag=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: list[int]
-    arrival_time: float
-    # params.structured compiled by the tokenizer stage (xgrammar's serialize_json), for the executor
-    compiled_grammar: str = ""
+# --- gateway -> scheduler -------------------------------------------------------------
+# Each gateway connects a DEALER to every engine's scheduler (its identity names it), so a
+# request, its abort and its stop are sent in order on one pipe; the scheduler sends each
+# step's tokens straight back to the gateway that sent the request.
 
 
 class FinishRequest(Struct, tag=True):
-    """The detokenizer found a stop string: end the sequence as finished, not aborted
-    (only the sample seq_index when set, else every sequence of the request)."""
+    """The gateway's detokenizer found a stop string: end the sequence as finished, not
+    aborted (only the sample seq_index when set, else every sequence of the request)."""
 
     request_id: str
     reason: str = "stop"
     seq_index: int | None = None
 
 
-TokenizerToScheduler = TokenizedRequest | FinishRequest | AbortRequest | WatchPool
+class WatchPool(Struct, tag=True):
+    """A dashboard page is open: the scheduler sends a PoolSnapshot on the status
+    channel every interval_s until ttl_s after it received this message. The gateway
+    renews it while a page watches, so nothing is sent once nobody does."""
+
+    interval_s: float = 0.25
+    ttl_s: float = 3.0
 
 
-# --- scheduler -> tokenizer -----------------------------------------------------------
+class GatewayBeat(Struct, tag=True):
+    """The gateway is alive: sent to every scheduler every GATEWAY_BEAT_S, so a scheduler
+    aborts the requests of a gateway that died (`services.scheduler.gateway_watch`)."""
+
+    instance: str
+
+
+GatewayToScheduler = TokenizedRequest | AbortRequest | FinishRequest | WatchPool | GatewayBeat
+
+
+# --- scheduler -> gateway -------------------------------------------------------------
 
 
 class TokenDelta(Struct, tag=True):
@@ -285,13 +234,13 @@ class TokenDelta(Struct, tag=True):
 
 
 class StepDeltas(Struct, tag=True):
-    """The TokenDeltas of one step for one tokenizer replica, in one frame (one per step, not one
-    per sequence); the replica handles them in order, as if they had come one by one."""
+    """The TokenDeltas of one step for one gateway, in one frame (one per step, not one
+    per sequence); the gateway handles them in order, as if they had come one by one."""
 
     deltas: list[TokenDelta]
 
 
-SchedulerToTokenizer = TokenDelta | RequestError | StepDeltas
+SchedulerToGateway = TokenDelta | RequestError | StepDeltas
 
 
 # --- scheduler -> executor ------------------------------------------------------------

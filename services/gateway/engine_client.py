@@ -15,7 +15,7 @@ An abort no replica can take (all of them down or restarting) waits in a bounded
 (`run_upkeep`), so the scheduler never keeps generating for a request nobody reads.
 Every request names this gateway's INSTANCE_ID, and `run_upkeep` sends a GatewayBeat
 to every live replica each GATEWAY_BEAT_S: when this process dies, the replicas abort
-its requests (`services.tokenizer.gateway_watch`).
+its requests (`services.scheduler.gateway_watch`).
 
 Recovery: a tokenizer replica acknowledges each request it takes (RequestAccepted, with
 its instance id). When the watchdog finds a replica dead, its requests, and those no

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.tokenizer.engine_router import POLICIES
+from services.gateway.engine_router import POLICIES
 from services.tokenizer.grammar_pool import GrammarOptions
 from shared.options import group, option
 

@@ -32,8 +32,8 @@ import zmq
 from transformers import AutoConfig, GenerationConfig
 
 from services.tokenizer import grammar_pool
-from services.tokenizer.engine_links import EngineLinks
-from services.tokenizer.gateway_watch import GatewayWatch
+from services.gateway.engine_links import EngineLinks
+from services.scheduler.gateway_watch import GatewayWatch
 from services.tokenizer.prompts import PromptBuilder
 from services.tokenizer.stage import TokenizerStage
 from shared import structured_output

@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.tokenizer.detokenizer import Detokenizer
+from services.gateway.detokenizer import Detokenizer
 from services.tokenizer.grammar_pool import GrammarPool
 from services.tokenizer.prompts import PromptBuilder, PromptError
-from services.tokenizer.token_text import TokenTexts
+from services.gateway.token_text import TokenTexts
 from shared import structured_output
 from shared.messages import (
     AbortRequest,

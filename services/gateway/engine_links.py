@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import zmq
 
-from services.tokenizer.engine_router import EngineRouter
+from services.gateway.engine_router import EngineRouter
 from shared.messages import (
     AbortRequest,
     EngineLoads,
