@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.tokenizer.detokenizer import REPLACEMENT_CHAR, Detokenizer, backend_decode
+from services.gateway.detokenizer import REPLACEMENT_CHAR, Detokenizer, backend_decode
 from shared.messages import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -150,7 +150,7 @@ def test_stop_string_made_of_multibyte_characters(tok):
 def test_stop_strings_wait_for_min_tokens():
     from transformers import AutoTokenizer
 
-    from services.tokenizer.detokenizer import Detokenizer
+    from services.gateway.detokenizer import Detokenizer
     from shared.messages import SamplingParams
     from shared.model_files import resolve_model
 
@@ -191,7 +191,7 @@ def test_a_tokenizer_with_its_own_decode_keeps_it(tok):
 def test_a_character_that_never_completes_does_not_grow_the_window(tok):
     """Stray UTF-8 continuation bytes, one token each: the text is emitted as U+FFFDs a
     bounded number of tokens late, and every decode covers a bounded window."""
-    from services.tokenizer.detokenizer import MAX_PENDING_TOKENS
+    from services.gateway.detokenizer import MAX_PENDING_TOKENS
 
     stray = tok.convert_tokens_to_ids("Ģ")  # byte-level BPE's token for the lone byte 0x80
     assert tok.decode([stray]) == REPLACEMENT_CHAR

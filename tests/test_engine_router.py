@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.sequence import Sequence
-from services.tokenizer.engine_router import HOLD_MAX_S, LOAD_RATIO, LOAD_SLACK, EngineRouter, prefix_hashes
+from services.gateway.engine_router import HOLD_MAX_S, LOAD_RATIO, LOAD_SLACK, EngineRouter, prefix_hashes
 from shared.messages import EngineLoad, EngineLoads, SamplingParams
 
 ENGINES = ["engine-0", "engine-1"]

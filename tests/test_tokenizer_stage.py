@@ -180,7 +180,7 @@ def test_echo_prompt_logprobs_and_stop_reason_on_the_first_delta(stage, tok):
 
 
 def test_gateway_watch_finds_a_replaced_or_silent_gateway():
-    from services.tokenizer.gateway_watch import GatewayWatch
+    from services.scheduler.gateway_watch import GatewayWatch
 
     now = [0.0]
     watch = GatewayWatch(lost_after_s=5.0, clock=lambda: now[0])
