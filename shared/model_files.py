@@ -94,3 +94,11 @@ def load_tokenizer(model: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model(str(model)))
+
+
+def vocab_size(path: str | Path, tokenizer) -> int:
+    """The model's vocabulary size (its config's, else the tokenizer's): token ids are below it."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path).get_text_config()
+    return getattr(config, "vocab_size", None) or len(tokenizer)

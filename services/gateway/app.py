@@ -41,8 +41,8 @@ from services.gateway.openai.openapi import openapi_spec
 from services.gateway.openai.request import parse_json, public_model_names
 from services.gateway.openai.responses import ResponseBuilder, new_request_id
 from services.gateway.options import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
+from services.gateway.output_text import TextDelta
 from services.gateway.tokenize_routes import TokenizeRoutes
-from shared.messages import TextDelta
 
 log = logging.getLogger(__name__)
 

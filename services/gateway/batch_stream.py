@@ -16,7 +16,8 @@ import contextlib
 import msgspec
 
 from services.gateway.engine_client import EngineClient, RequestStream
-from shared.messages import GenerateRequest, TextDelta
+from services.gateway.output_text import TextDelta
+from shared.messages import GenerateRequest
 
 
 class BatchStream:

@@ -1,13 +1,12 @@
-"""Data parallelism in the gateway: what it tells the tokenizer replicas and /health of the engines.
+"""Data parallelism in the gateway: what its engine router and /health learn of the engines.
 
 The watchdog tracks each engine (its scheduler and executor, by the engine named in their
 heartbeats). Several times a second, at once when the set of serving engines changes (so
 no request is routed by a stale set after /health shows the change), and at once before an
-engine's requests are sent again, every live tokenizer replica gets EngineLoads: the
+engine's requests resume elsewhere, the gateway's EngineRouter gets EngineLoads: the
 engines serving now with their running and waiting requests and KV usage (from their
 schedulers' heartbeats) and their schedulers' instance ids (a new one has an empty prefix
-cache), which their EngineRouters route by. With a single engine nothing is sent: there
-is nothing to choose.
+cache). With a single engine there is nothing to choose.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from services.gateway.engine_router import EngineLoad, EngineLoads
 from services.gateway.watchdog import EngineState, StageWatchdog
-from shared.messages import EngineLoad, EngineLoads
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ class EnginePublisher:
             self.publish()
 
     def then(self, action: Callable[[str], int]) -> Callable[[str], int]:
-        """action (resending an engine's requests), after the replicas learn which engines serve."""
+        """action (resuming an engine's requests), after the router learns which engines serve."""
         def run(engine: str) -> int:
             self.publish()
             return action(engine)

@@ -1,6 +1,7 @@
 """Data parallelism: which engine (scheduler + executor) each new request goes to, and when.
 
-A tokenizer replica is where a prompt's tokens are first known, so it routes. Policies:
+The gateway routes: it receives each request's prompt tokens from a tokenizer replica and
+passes the request on to the engine chosen here. Policies:
 
 - `prefix` (default), after SGLang's cache-aware router and llm-d's prefix scorer: the
   router keeps an approximate map from the chained digest of each full prompt block (the
@@ -28,12 +29,11 @@ engine leaves the live set, or after HOLD_MAX_S at most. So a spill costs one co
 of the prefix on the new engine, not one per request spilled with it.
 
 Load is running + waiting requests plus KV_WEIGHT times the fraction of KV blocks in
-use. This replica knows its own requests in flight exactly, held ones included, at every
-moment (so a burst does not all land on the engine that looked idle a moment ago); the
-gateway reports each live engine's figures (EngineLoads, from the schedulers' heartbeats) a
-few times a second, and what they count beyond this replica's requests (other replicas'
-work) is added as it was at the latest report. Each replica keeps its own prefix map: with
-several replicas a prefix may be warmed once per replica.
+use. The gateway knows its own requests in flight exactly, held ones included, at every
+moment (so a burst does not all land on the engine that looked idle a moment ago); each
+live engine's figures (EngineLoads, from the schedulers' heartbeats) come a few times a
+second, and what they count beyond this gateway's requests (another gateway's work) is
+added as it was at the latest report. One prefix map serves every tokenizer replica.
 
 Only engines in the latest report are live (one that dies or hangs is left out by the
 gateway); before any report every configured engine is. A request's later messages go to
@@ -56,8 +56,9 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
+import msgspec
+
 from shared.block_digest import block_digests
-from shared.messages import EngineLoads
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,23 @@ LOAD_RATIO = 1.5
 LOAD_SLACK = 8.0  # requests: below this imbalance a spill's cold prefill costs more than it saves
 KV_WEIGHT = 4.0  # a full KV pool weighs as much as this many requests
 HOLD_MAX_S = 10.0  # the longest a request waits for the prefill of a prefix it shares
+
+
+class EngineLoad(msgspec.Struct):
+    """One engine that takes new requests, and its load from its scheduler's heartbeat."""
+
+    engine: str
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of its KV blocks in use
+    block_size: int = 16
+    instance: str = ""  # its scheduler's instance: a new one (a restart) starts with an empty prefix cache
+
+
+class EngineLoads(msgspec.Struct):
+    """The engines new requests may go to (live ones only), from the gateway's watchdog."""
+
+    engines: list[EngineLoad]
 
 
 def prefix_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
@@ -87,9 +105,9 @@ class EngineRouter:
         self.max_prefixes = max_prefixes
         self.clock = clock
         self.live: list[str] = list(engines)
-        self._others: dict[str, float] = {}  # engine -> its requests not from this replica, at the latest report
+        self._others: dict[str, float] = {}  # engine -> its requests not from this gateway, at the latest report
         self._kv_usage: dict[str, float] = {}
-        self._in_flight: Counter[str] = Counter()  # this replica's requests, by engine
+        self._in_flight: Counter[str] = Counter()  # this gateway's requests, by engine
         self._owner: dict[str, str] = {}  # request id -> engine
         # block hash -> {engine holding it: the request warming it there, or None once prefilled}
         self._prefixes: OrderedDict[bytes, dict[str, str | None]] = OrderedDict()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.gateway.engine_router import POLICIES
 from services.gateway.limits import RequestLimits
 from shared.options import group, option
 
@@ -43,4 +44,6 @@ class GatewayOptions:
                                              "a 403, against DNS rebinding (default: bound to a loopback address, "
                                              "localhost and loopback addresses and the --host given; bound to any "
                                              "other address, every host)")
+    routing: str = option("prefix", "with several engines: prefix-aware (with a load cap), least-loaded or "
+                                    "round-robin", choices=POLICIES)
     limits: RequestLimits = group(RequestLimits)

@@ -1,6 +1,8 @@
 """The gateway stage process: bind the sockets, start the HTTP server on uvloop, serve.
 
-Four background tasks feed it: one routes gateway_in messages to their requests, one
+It loads the model's tokenizer: it detokenizes every request's output itself. Background
+tasks feed it: one routes the tokenizer replicas' answers and every engine's token deltas
+to their requests, one beats to the schedulers (GatewayBeat), one
 records the heartbeats arriving on the status socket (for /health and the watchdog)
 and the pool snapshots (for /dashboard), one runs the watchdog that retries or fails
 the requests of a lost stage, and one keeps the dashboard's history and subscription. The
@@ -38,7 +40,7 @@ from shared.config import Addresses
 from shared.curve import CurveKeys, stage_keys
 from shared.heartbeat import HeartbeatThread
 from shared.messages import PoolSnapshot, StatusToGateway
-from shared.model_files import default_served_name
+from shared.model_files import default_served_name, load_tokenizer, resolve_model, vocab_size
 from shared.options import from_args
 from shared.transport import MAX_MESSAGE_BYTES, AsyncPullSocket, configure
 
@@ -69,8 +71,11 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
     ctx = configure(zmq.asyncio.Context(), keys)
     supervision = SupervisionState.from_env()
     metrics = Metrics(supervision)
-    client = EngineClient(ctx, addrs, on_retry=metrics.retries.inc, replicas=lambda: watchdog.live_tokenizers(),
-                          on_routed=metrics.observe_routed)
+    model_dir = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_dir)  # the gateway detokenizes
+    client = EngineClient(ctx, addrs, tokenizer, vocab_size(model_dir, tokenizer), on_retry=metrics.retries.inc,
+                          replicas=lambda: watchdog.live_tokenizers(), on_routed=metrics.observe_routed,
+                          routing=args.routing)
     status = AsyncPullSocket(ctx, addrs.status, StatusToGateway, bind=True)
     tracker = StageTracker(metrics.observe_scheduler, supervision=supervision)
 
@@ -79,8 +84,8 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
         metrics.lost.inc(n)
         return n
 
-    publisher = EnginePublisher(None, client.broadcast)
-    watchdog = StageWatchdog(client.replica_lost, scheduler_lost,
+    publisher = EnginePublisher(None, client.update_engines)
+    watchdog = StageWatchdog(client.tokenizer_lost, scheduler_lost,
                              on_scheduler_restarted=publisher.then(client.scheduler_restarted),
                              on_engine_lost=publisher.then(client.engine_lost))
     publisher.watchdog = watchdog

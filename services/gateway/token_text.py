@@ -43,6 +43,7 @@ def _is_byte_level(tokenizer) -> bool:
 class TokenTexts:
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self._byte_decoder = _byte_decoder() if _is_byte_level(tokenizer) else None
         self._cache: dict[int, tuple[str, list[int]]] = {}
 

@@ -3,21 +3,21 @@
 A stage instance is lost when it sends no heartbeat for LOST_AFTER_S, or at once when a
 new instance shows up under the same name (a restart faster than that); a tokenizer
 replica also when it says it is stuck (its loop made no progress, though its heartbeat
-thread still beats). New requests go only to `live_tokenizers`. A lost
-tokenizer replica's requests are retried on the others. A scheduler that goes silent
+thread still beats). New requests go only to `live_tokenizers`. The requests a lost
+tokenizer replica had not answered yet are asked of the others (`on_tokenizer_lost`, with its
+name). A scheduler that goes silent
 makes new requests get a 503 while those in flight wait: when a new scheduler instance
-beats (a restart), it knows none of them, so they are all sent again
-(`on_scheduler_restarted`); if the old one beats again (it was frozen), they simply go
+beats (a restart), it knows none of them, so they all resume from what their clients
+have (`on_scheduler_restarted`); if the old one beats again (it was frozen), they simply go
 on; only one gone for SCHEDULER_GIVE_UP_S ends them with a 503 (`on_scheduler_lost`). The executor needs nothing here: the scheduler
 recomputes what a restarted executor lost. Admission asks `missing_stage`: while no
 tokenizer replica, no scheduler or no executor is alive, new requests get a 503 at once
 instead of waiting for a stage that may not come back.
 
 Data parallelism: every scheduler and executor beats with the name of its engine, and
-each engine is watched on its own. A request runs on one engine (the gateway learns which
-from RequestRouted). When several engines run, one whose scheduler or executor goes
-silent, or whose executor stops answering steps, is routed around: its requests are sent
-again at once (`on_engine_lost`), to the engines still serving (`serving_engines`); a
+each engine is watched on its own. A request runs on the engine the gateway routed it to. When several engines run, one whose scheduler or executor goes
+silent, or whose executor stops answering steps, is routed around: its requests resume
+at once (`on_engine_lost`), to the engines still serving (`serving_engines`); a
 restarted scheduler resends its own engine's requests only. New requests are refused
 only while no engine can take them.
 
@@ -195,8 +195,10 @@ class StageWatchdog:
     def _tokenizer_lost(self, instance: str, why: str) -> None:
         self._tokenizers.pop(instance, None)
         self._tokenizer_ready.pop(instance, None)
-        n = self._on_tokenizer_lost(instance)
-        log.warning("tokenizer instance %s lost (%s): retrying %d requests", instance, why, n)
+        name = next((n for n, i in self._tokenizer_names.items() if i == instance), instance)
+        n = self._on_tokenizer_lost(name)
+        log.warning("tokenizer %s (instance %s) lost (%s): asking another replica for its %d requests", name,
+                    instance, why, n)
 
     def _scheduler_lost(self, message: str) -> None:
         n = self._on_scheduler_lost(message)
