@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import random
 
-import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.gateway.engine_router import (
+    HOLD_MAX_S,
+    LOAD_RATIO,
+    LOAD_SLACK,
+    EngineLoad,
+    EngineLoads,
+    EngineRouter,
+    prefix_hashes,
+)
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.sequence import Sequence
-from services.gateway.engine_router import HOLD_MAX_S, LOAD_RATIO, LOAD_SLACK, EngineRouter, prefix_hashes
-from shared.messages import EngineLoad, EngineLoads, SamplingParams
+from shared.messages import SamplingParams
 
 ENGINES = ["engine-0", "engine-1"]
 
@@ -320,25 +327,6 @@ def test_an_engine_that_leaves_the_live_set_is_forgotten_even_if_it_comes_back_u
     router.update(loads())  # back, same instance: it may have reset its cache (executor restart)
     router.route("b", prompt(4, 1))
     assert router.prefix_routed == 0 and router.forgotten == 1
-
-
-class OldEngineLoad(msgspec.Struct, array_like=True):
-    """EngineLoad as a gateway from before the instance field sends it."""
-
-    engine: str
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    block_size: int
-
-
-class OldEngineLoads(msgspec.Struct, tag="EngineLoads"):
-    engines: list[OldEngineLoad]
-
-
-def test_an_engine_load_from_an_older_gateway_still_decodes():
-    old = msgspec.msgpack.encode(OldEngineLoads([OldEngineLoad("engine-1", 1, 2, 0.5, 32)]))
-    assert msgspec.msgpack.decode(old, type=EngineLoads).engines == [EngineLoad("engine-1", 1, 2, 0.5, 32, "")]
 
 
 ops = st.lists(st.tuples(st.sampled_from(["route", "prefilled", "release", "update", "restart", "tick"]),

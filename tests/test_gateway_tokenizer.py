@@ -1,7 +1,8 @@
 """The gateway and a tokenizer replica as real processes, in front of a fake scheduler.
 
 The fake scheduler (a ROUTER bound at scheduler_in, in a thread of this test) answers
-each TokenizedRequest with REPLY a few tokens at a time; prompts containing SLOW get
+each TokenizedRequest the gateway passes on with REPLY a few tokens at a time, which the
+gateway detokenizes; prompts containing SLOW get
 one token every 50 ms until aborted, FAIL gets a RequestError, LATEFAIL one after
 two deltas. It and a fake executor
 heartbeat to the gateway, so /health can turn ready. Requests go over real HTTP.
@@ -30,11 +31,11 @@ from shared.messages import (
     AbortRequest,
     FinishRequest,
     RequestError,
+    GatewayToScheduler,
     SchedulerStats,
-    SchedulerToTokenizer,
+    SchedulerToGateway,
     TokenDelta,
     TokenizedRequest,
-    TokenizerToScheduler,
 )
 from shared.ports import free_port
 from shared.transport import RouterSocket
@@ -85,15 +86,16 @@ class FakeScheduler(threading.Thread):
 
     def run(self) -> None:
         ctx = zmq.Context()
-        sock = RouterSocket(ctx, self.address, TokenizerToScheduler, SchedulerToTokenizer)
+        sock = RouterSocket(ctx, self.address, GatewayToScheduler, SchedulerToGateway)
         self._bound.set()
         try:
             while not self._halt.is_set():
                 for peer, msg in sock.recv_nowait():
-                    self.received.append(msg)
                     if isinstance(msg, TokenizedRequest):
+                        self.received.append(msg)
                         self._start(peer, msg, sock)
-                    else:  # AbortRequest / FinishRequest: the request is over
+                    elif isinstance(msg, AbortRequest | FinishRequest):  # the request is over
+                        self.received.append(msg)
                         self._streams.pop(msg.request_id, None)
                 self._emit(sock)
                 time.sleep(0.005)
