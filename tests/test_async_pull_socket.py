@@ -12,7 +12,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from shared.messages import RequestAccepted, TokenizerToGateway
+from shared.messages import RequestError, TokenizerToGateway
 from shared.transport import AsyncPullSocket, PushSocket
 
 
@@ -21,8 +21,8 @@ def addr(tmp_path):
     return f"ipc://{tmp_path}/pull"
 
 
-def _accepted(i: int) -> RequestAccepted:
-    return RequestAccepted(f"r{i}", "tok-0", "inst")
+def _accepted(i: int) -> RequestError:
+    return RequestError(f"r{i}", 500, "x")
 
 
 def _run(coro):

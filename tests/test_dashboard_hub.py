@@ -11,7 +11,8 @@ import pytest
 from services.gateway import dashboard
 from services.gateway.dashboard import DashboardHub
 from services.gateway.metrics import Metrics
-from shared.messages import PoolSnapshot, TextDelta, WatchPool
+from services.gateway.output_text import TextDelta
+from shared.messages import PoolSnapshot, WatchPool
 
 
 def snap(engine: str, instance: str = "i0") -> PoolSnapshot:

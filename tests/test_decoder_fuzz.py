@@ -16,8 +16,8 @@ from shared.transport import FrameDecoder
 CHANNELS = {
     "gateway->tokenizer": messages.GatewayToTokenizer,
     "tokenizer->gateway": messages.TokenizerToGateway,
-    "tokenizer->scheduler": messages.TokenizerToScheduler,
-    "scheduler->tokenizer": messages.SchedulerToTokenizer,
+    "gateway->scheduler": messages.GatewayToScheduler,
+    "scheduler->gateway": messages.SchedulerToGateway,
     "scheduler->executor": messages.SchedulerToExecutor,
     "executor->scheduler": messages.ExecutorToScheduler,
     "status": messages.StatusToGateway,

@@ -1,6 +1,6 @@
 """The gateway's view of several engines (data parallelism), without processes: the
-watchdog routes around an engine that goes silent or restarts, and what the tokenizer
-replicas are told (EngineLoads) follows which engines serve."""
+watchdog routes around an engine that goes silent or restarts, and what the gateway's engine
+router is told (EngineLoads) follows which engines serve."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_one_engine_alone_keeps_the_single_scheduler_rules():
     assert len(calls["failed"]) == 1  # ...and gives up once
 
 
-def test_the_replicas_are_told_at_once_when_an_engine_starts_or_stops_serving():
+def test_the_router_is_told_at_once_when_an_engine_starts_or_stops_serving():
     dog, clock, calls, publisher = make()
     for b in everyone(engines=("engine-0",)) + [beat("scheduler", "engine-1", "A-engine-1"),
                                                 beat("executor", "engine-1", "X-engine-1", state="loading")]:

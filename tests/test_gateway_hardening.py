@@ -7,124 +7,103 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from services.gateway.admission import Admission
-from services.gateway.engine_client import EngineClient, EngineError
+from services.gateway.engine_client import EngineError
 from services.gateway.watchdog import StageWatchdog
-from shared.config import Addresses
-from shared.messages import AbortRequest, GenerateRequest, Heartbeat, SamplingParams, TextDelta
-from tests.test_gateway_recovery import FakeTokenizer
+from shared.messages import AbortRequest, GenerateRequest, Heartbeat, SamplingParams, TokenDelta
+from tests.engine_stand_ins import started, stopped
 
 TWO = SamplingParams(max_tokens=8, temperature=0, n=2)
+X = 87  # a token id of SmolLM2's vocabulary
 
 
-@pytest.fixture()
-def sockets(tmp_path):
-    ctx, sync = zmq.asyncio.Context(), zmq.Context()
-    yield ctx, sync, Addresses.ipc(str(tmp_path))
-    ctx.destroy(linger=0)
-    sync.destroy(linger=0)
+def delta(rid, seq, finish=None):
+    return TokenDelta(rid, [X], 3, finish, seq)
 
 
-def delta(rid, seq, n_out, finish=None):
-    return TextDelta(rid, "x", 3, n_out, finish, [7], seq)
+def run(tmp_path, contexts, smollm2_tokenizer, body, **kw):
+    async def go():
+        client, reader, (t,), sched, _ = await started(tmp_path, contexts, smollm2_tokenizer, **kw)
+        try:
+            return await body(client, t, sched)
+        finally:
+            await stopped(reader)
 
-
-async def with_reader(client: EngineClient, body):
-    reader = asyncio.get_running_loop().create_task(client.run_reader())
-    try:
-        return await body()
-    finally:
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
+    return asyncio.run(go())
 
 
 # --- n > 1: done with the last choice (item 3) -------------------------------------------
 
 
-def test_leaving_after_the_first_of_two_choices_finished_aborts_the_request(sockets):
-    ctx, sync, addrs = sockets
-    client = EngineClient(ctx, addrs, replicas=lambda: ["t"])
-    tok = FakeTokenizer(sync, addrs, "t")
-
-    async def body():
+def test_leaving_after_the_first_of_two_choices_finished_aborts_the_request(tmp_path, contexts, smollm2_tokenizer):
+    async def body(client, t, sched):
         async with client.open(GenerateRequest("cmpl-n", TWO, prompt="hi"), 10) as stream:
-            await tok.take()
-            tok.out.send(delta("cmpl-n", 0, 1, "stop"))
-            tok.out.send(delta("cmpl-n", 1, 1))
+            await t.answer()
+            await sched.take()
+            sched.send(delta("cmpl-n", 0, "stop"), delta("cmpl-n", 1))
             assert (await stream.next()).finish_reason == "stop"
             assert (await stream.next()).seq_index == 1
         # the client left while choice 1 still ran: its sample must be aborted
-        return await tok.take(AbortRequest)
+        return await sched.take(AbortRequest)
 
-    assert asyncio.run(with_reader(client, body)).request_id == "cmpl-n"
+    assert run(tmp_path, contexts, smollm2_tokenizer, body).request_id == "cmpl-n"
 
 
-def test_a_lost_scheduler_still_ends_a_request_whose_first_choice_finished(sockets):
-    ctx, sync, addrs = sockets
-    client = EngineClient(ctx, addrs, replicas=lambda: ["t"])
-    tok = FakeTokenizer(sync, addrs, "t")
-
-    async def body():
+def test_a_lost_scheduler_still_ends_a_request_whose_first_choice_finished(tmp_path, contexts, smollm2_tokenizer):
+    async def body(client, t, sched):
         async with client.open(GenerateRequest("cmpl-l", TWO, prompt="hi"), 5) as stream:
-            await tok.take()
-            tok.out.send(delta("cmpl-l", 0, 1, "stop"))
+            await t.answer()
+            await sched.take()
+            sched.send(delta("cmpl-l", 0, "stop"))
             await stream.next()
             assert client.scheduler_lost("gone") == 1
             with pytest.raises(EngineError) as info:  # not a hang until the deadline
                 await stream.next()
             return info.value.err
 
-    err = asyncio.run(with_reader(client, body))
+    err = run(tmp_path, contexts, smollm2_tokenizer, body)
     assert err.status == 503 and err.message == "gone"
 
 
-def test_a_request_is_done_only_when_every_choice_finished(sockets):
-    ctx, sync, addrs = sockets
-    client = EngineClient(ctx, addrs, replicas=lambda: ["t"])
-    tok = FakeTokenizer(sync, addrs, "t")
-
-    async def body():
+def test_a_request_is_done_only_when_every_choice_finished(tmp_path, contexts, smollm2_tokenizer):
+    async def body(client, t, sched):
         async with client.open(GenerateRequest("cmpl-d", TWO, prompt="hi"), 10) as stream:
-            await tok.take()
-            for msg in (delta("cmpl-d", 1, 1, "length"), delta("cmpl-d", 0, 1, "length")):
-                tok.out.send(msg)
+            await t.answer()
+            await sched.take()
+            sched.send(delta("cmpl-d", 1, "length"), delta("cmpl-d", 0, "length"))
             await stream.next()
             assert not stream.done
             await stream.next()
             assert stream.done
-        await tok.take(AbortRequest)  # nothing to abort: this must not come
+        await sched.take(AbortRequest)  # nothing to abort: this must not come
 
     with pytest.raises(AssertionError, match="no AbortRequest"):
-        asyncio.run(with_reader(client, body))
+        run(tmp_path, contexts, smollm2_tokenizer, body)
 
 
 # --- a reader that falls behind (item 5) ------------------------------------------------
 
 
-def test_a_request_whose_reader_falls_behind_is_aborted_and_its_buffer_bounded(sockets):
-    ctx, sync, addrs = sockets
-    client = EngineClient(ctx, addrs, replicas=lambda: ["t"], max_buffered=8)
-    tok = FakeTokenizer(sync, addrs, "t")
-
-    async def body():
+def test_a_request_whose_reader_falls_behind_is_aborted_and_its_buffer_bounded(tmp_path, contexts, smollm2_tokenizer):
+    async def body(client, t, sched):
+        client.max_buffered = 8
         req = GenerateRequest("cmpl-s", SamplingParams(max_tokens=100, temperature=0), prompt="hi")
         async with client.open(req, 10) as stream:
-            await tok.take()
-            for i in range(40):  # nobody reads meanwhile
-                tok.out.send(delta("cmpl-s", 0, i + 1))
-            abort = await tok.take(AbortRequest)  # sent at once, not when the handler wakes up
+            await t.answer()
+            await sched.take()
+            for _ in range(40):  # nobody reads meanwhile
+                sched.send(delta("cmpl-s", 0))
+            abort = await sched.take(AbortRequest)  # sent at once, not when the handler wakes up
             assert stream.queue.qsize() <= 9  # the bound, and the error that ends the stream
             got = 0
             with pytest.raises(EngineError) as info:
                 while True:
                     await stream.next()
                     got += 1
-            return abort, got, info.value.err
+            return abort, got, info.value.err, client
 
-    abort, got, err = asyncio.run(with_reader(client, body))
+    abort, got, err, client = run(tmp_path, contexts, smollm2_tokenizer, body)
     assert abort.request_id == "cmpl-s" and got <= 8
     assert "fast enough" in err.message
     assert client.num_in_flight == 0

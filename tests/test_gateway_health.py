@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from services.gateway.health import FORGET_S, FRESH_S, StageTracker
 from services.gateway.metrics import Metrics
-from shared.messages import Heartbeat, SchedulerStats, TextDelta
+from services.gateway.output_text import TextDelta
+from shared.messages import Heartbeat, SchedulerStats
 
 
 class Clock:

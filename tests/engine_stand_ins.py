@@ -1,0 +1,91 @@
+"""Stand-ins for a tokenizer replica and an engine's scheduler, over real ZeroMQ sockets, and an
+EngineClient started against them: the gateway's socket tests drive the client through these."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.gateway.engine_client import EngineClient
+from shared.config import Addresses
+from shared.messages import (
+    GatewayBeat,
+    GatewayToScheduler,
+    GatewayToTokenizer,
+    GenerateRequest,
+    SchedulerToGateway,
+    StepDeltas,
+    TokenDelta,
+    TokenizedRequest,
+    TokenizerToGateway,
+)
+from shared.transport import DealerSocket, PushSocket, RouterSocket
+
+EOS = 2
+
+
+class FakeTokenizer:
+    """Plays a tokenizer replica with the test's own sockets: takes requests, answers."""
+
+    def __init__(self, ctx, addrs, name):
+        self.inbox = DealerSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, identity=name)
+        self.out = PushSocket(ctx, addrs.gateway_in, TokenizerToGateway, bind=False)
+        self.received: list = []
+
+    async def take(self, kind=GenerateRequest):
+        for _ in range(200):
+            self.received += self.inbox.recv_nowait()
+            for msg in self.received:
+                if isinstance(msg, kind):
+                    self.received.remove(msg)
+                    return msg
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"no {kind.__name__}")
+
+    async def answer(self, prompt_ids=(5, 6, 7)) -> GenerateRequest:
+        """Take the next request and answer it as a replica would."""
+        got = await self.take()
+        self.out.send(TokenizedRequest(got.request_id, list(prompt_ids), got.params, [EOS], 0.0))
+        return got
+
+
+class FakeScheduler:
+    """Plays an engine's scheduler: the ROUTER the gateway's DEALER connects to."""
+
+    def __init__(self, ctx, addrs):
+        self.sock = RouterSocket(ctx, addrs.scheduler_in, GatewayToScheduler, SchedulerToGateway)
+        self.peer: bytes | None = None
+        self.received: list = []
+
+    async def take(self, kind=TokenizedRequest, request_id=None):
+        for _ in range(300):
+            for peer, msg in self.sock.recv_nowait():
+                if not isinstance(msg, GatewayBeat):
+                    self.peer = peer
+                    self.received.append(msg)
+            for msg in self.received:
+                if isinstance(msg, kind) and request_id in (None, msg.request_id):
+                    self.received.remove(msg)
+                    return msg
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"no {kind.__name__} {request_id or ''}: {self.received}")
+
+    def send(self, *deltas: TokenDelta) -> None:
+        self.sock.send(self.peer, StepDeltas(list(deltas)))
+
+
+async def started(tmp_path, contexts, tok, replicas=("t",)):
+    ctx, sync = contexts
+    addrs = Addresses.ipc(str(tmp_path))
+    retries = []
+    client = EngineClient(ctx, addrs, tok, len(tok), on_retry=lambda: retries.append(1),
+                          replicas=lambda: list(replicas))
+    reader = asyncio.get_running_loop().create_task(client.run_reader())
+    tokenizers = [FakeTokenizer(sync, addrs, name) for name in replicas]
+    scheduler = FakeScheduler(sync, addrs)
+    await asyncio.sleep(0.2)  # every peer connected (a replica not connected yet is skipped)
+    return client, reader, tokenizers, scheduler, retries
+
+
+async def stopped(reader):
+    reader.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
