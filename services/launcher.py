@@ -150,11 +150,11 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses,
             cmds[f"executor{suffix}" + (f"{RANK_SUFFIX}{rank}" if rank else "")] = command(
                 "executor", engine, **executor, tp_rank=rank, tp_init_address=f"tcp://127.0.0.1:{tp_ports[i]}")
     served = default_served_name(args.model) if args.served_model_name is None else args.served_model_name
-    cmds["gateway"] = command("gateway", addresses, served_model_name=served)
-    # with several engines every replica reaches each one's scheduler
+    # the gateway sends each request on to one engine's scheduler: it reaches every one
     every = Addresses(**{**addresses.__dict__, "scheduler_in": ",".join(e.scheduler_in for e in engines)})
+    cmds["gateway"] = command("gateway", every, served_model_name=served)
     for i in range(args.tokenizer_replicas):
-        cmds[f"tokenizer-{i}"] = command("tokenizer", every, replica=f"tokenizer-{i}")
+        cmds[f"tokenizer-{i}"] = command("tokenizer", addresses, replica=f"tokenizer-{i}")
     return cmds
 
 

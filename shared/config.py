@@ -2,11 +2,13 @@
 the engine's name, logging; see shared.options), and the argparse helper for the addresses.
 
 Topology (who binds, who connects) is fixed so that any stage can restart or scale:
-the gateway and the scheduler bind; tokenizer replicas and the executor connect.
+the gateway and the scheduler bind; tokenizer replicas and the executor connect, and the
+gateway also connects to every engine's scheduler.
 
-    gateway  -ROUTER/DEALER tokenizer_in-> tokenizer(s) (to a live replica, by name)
-    tokenizer --PUSH gateway_in-->   gateway
-    tokenizer <-DEALER/ROUTER scheduler_in-> scheduler (replies routed to the replica;
+    gateway   -ROUTER/DEALER tokenizer_in-> tokenizer(s) (to a live replica, by name)
+    tokenizer --PUSH gateway_in-->   gateway           (tokenized requests: replicas hold nothing)
+    gateway   <-DEALER/ROUTER scheduler_in-> scheduler (requests, aborts, stops; each step's
+                                              tokens back to the gateway that sent them;
                                               one scheduler_in per engine with data parallelism)
     scheduler --PUSH executor_in-->  executor
     executor  --PUSH executor_out--> scheduler

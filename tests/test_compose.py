@@ -57,10 +57,15 @@ def test_compose_config_accepts_the_cpu_and_gpu_variants():
         mounts = {v.split(":")[1] if isinstance(v, str) else v["target"] for v in svc["volumes"]}
         assert {"/models", "/cache"} <= mounts, name
         env = svc["environment"]
-        assert env["PAGEDSERVE_HEALTH_FILE"] and env["PAGEDSERVE_SCHEDULER_IN"] == "tcp://scheduler:5554"
+        assert env["PAGEDSERVE_HEALTH_FILE"]
+        # only the gateway reaches the scheduler (the tokenizer replicas answer the gateway)
+        assert env.get("PAGEDSERVE_SCHEDULER_IN") == ("tcp://scheduler:5554" if name == "gateway" else None), name
         assert env["PAGEDSERVE_CURVE_KEY_FILE"] == "/run/secrets/curve_key"  # tcp:// needs CURVE
         assert [s if isinstance(s, str) else s["source"] for s in svc["secrets"]] == ["curve_key"], name
     assert services["gateway"]["healthcheck"]["test"][-1] == "http://127.0.0.1:8000/health"
+    # the gateway detokenizes: it loads the same model's tokenizer as the tokenizer replicas
+    assert flags(services["gateway"]["command"])["--model"] == flags(services["tokenizer"]["command"])["--model"]
+    assert "depends_on" not in services["tokenizer"]
     assert set(services["gateway"]["depends_on"]) == STAGES - {"gateway"}  # so compose stops it first
 
     gpu = resolved("compose.yaml", "compose.gpu.yaml")["services"]
@@ -80,14 +85,18 @@ def engines_of(services: dict) -> list[tuple[dict, dict]]:
 
 
 def check_engines(services: dict) -> None:
-    """Each engine's stages name it, its scheduler binds the ports its executor and the tokenizers
-    reach it on, and the tokenizers' list names every engine's scheduler in engine order."""
+    """Each engine's stages name it, its scheduler binds the ports its executor and the gateway
+    reach it on, and the gateway's list names every engine's scheduler in engine order (the
+    tokenizer replicas reach no scheduler)."""
     engines = engines_of(services)
     assert len(engines) == 2
-    tokenizer = services["tokenizer"]
-    assert tokenizer["environment"]["PAGEDSERVE_SCHEDULER_IN"].split(",") == [
+    gateway = services["gateway"]
+    assert gateway["environment"]["PAGEDSERVE_SCHEDULER_IN"].split(",") == [
         f"tcp://{'scheduler' if i == 0 else f'scheduler-{i}'}:5554" for i in range(len(engines))]
-    assert flags(tokenizer["command"])["--routing"] in ("${PAGEDSERVE_ROUTING:-prefix}", "prefix")  # raw, resolved
+    assert flags(gateway["command"])["--routing"] in ("${PAGEDSERVE_ROUTING:-prefix}", "prefix")  # raw, resolved
+    tokenizer = services["tokenizer"]
+    assert "PAGEDSERVE_SCHEDULER_IN" not in tokenizer["environment"] and "--routing" not in tokenizer["command"]
+    assert "depends_on" not in tokenizer
     for i, (scheduler, executor) in enumerate(engines):
         name = "scheduler" if i == 0 else f"scheduler-{i}"
         named = [flags(stage["command"]).get("--engine", "engine-0") for stage in (scheduler, executor)]
@@ -119,7 +128,10 @@ def test_compose_dp_yaml_adds_a_second_engine_as_numbered_services():
 def test_compose_dp_yaml_wires_each_engine_to_its_own_scheduler():
     from tests.e2e.topology import merged
 
-    check_engines(merged("compose.dp.yaml")["services"])
+    services = merged("compose.dp.yaml")["services"]
+    check_engines(services)
+    base = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["gateway"]["command"]
+    assert services["gateway"]["command"] == [*base, "--routing", "${PAGEDSERVE_ROUTING:-prefix}"]  # nothing else
 
 
 @needs_compose

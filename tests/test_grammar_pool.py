@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,15 +30,11 @@ from shared.messages import (  # noqa: E402
     RequestError,
     SamplingParams,
     ScheduledSeq,
-    SchedulerToTokenizer,
     SeqSampling,
     StatusToGateway,
     StructuredOutput,
-    TextDelta,
-    TokenDelta,
     TokenizedRequest,
     TokenizerToGateway,
-    TokenizerToScheduler,
 )
 from shared.transport import PullSocket, RouterSocket  # noqa: E402
 
@@ -154,8 +149,8 @@ def test_the_scheduler_passes_the_compiled_grammar_on():
 
 
 class _Replica:
-    """A real tokenizer replica process between sockets this test holds: the gateway's
-    (tokenizer_in, gateway_in, status) and a scheduler's that answers every request at once."""
+    """A real tokenizer replica process between the gateway's sockets this test holds
+    (tokenizer_in, gateway_in, status): it answers every request there."""
 
     def __init__(self, run_dir: str, extra: list[str]):
         self.addrs = Addresses.ipc(run_dir)
@@ -163,28 +158,14 @@ class _Replica:
         self.to_tok = RouterSocket(self.ctx, self.addrs.tokenizer_in, TokenizerToGateway, GatewayToTokenizer)
         self.from_tok = PullSocket(self.ctx, self.addrs.gateway_in, TokenizerToGateway)
         self.status = PullSocket(self.ctx, self.addrs.status, StatusToGateway)
-        self.forwarded: list[TokenizedRequest] = []
         self.beats: list[tuple[float, str]] = []
         self.out: list = []
-        self._halt = threading.Event()
-        self._sched = threading.Thread(target=self._scheduler, daemon=True)
-        self._sched.start()
         self.log = open(Path(run_dir) / "tokenizer.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "stage", "tokenizer", "--model", "smollm2", "--replica", "tok-g",
              *extra, *self.addrs.as_argv()],
             cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=self.log, stderr=subprocess.STDOUT)
         self.wait(lambda: any(state == "ready" for _, state in self.beats), 120)
-
-    def _scheduler(self) -> None:
-        sock = RouterSocket(self.ctx, self.addrs.scheduler_in, TokenizerToScheduler, SchedulerToTokenizer)
-        while not self._halt.is_set():
-            for peer, msg in sock.recv_nowait():
-                if isinstance(msg, TokenizedRequest):
-                    self.forwarded.append(msg)
-                    sock.send(peer, TokenDelta(msg.request_id, [28], len(msg.prompt_token_ids), "length"))
-            time.sleep(0.005)
-        sock.close()
 
     def pump(self) -> None:
         for beat in self.status.recv_nowait():
@@ -204,9 +185,13 @@ class _Replica:
         self.to_tok.send(b"tok-g", GenerateRequest(rid, SamplingParams(max_tokens=1, structured=structured),
                                                    prompt=prompt))
 
+    @property
+    def forwarded(self) -> list[TokenizedRequest]:
+        return [m for m in self.out if isinstance(m, TokenizedRequest)]
+
     def ended(self, rid: str):
-        return next((m for m in self.out if m.request_id == rid and (
-            isinstance(m, RequestError) or isinstance(m, TextDelta) and m.finish_reason)), None)
+        """The replica's answer to request rid (a TokenizedRequest or a RequestError), if any yet."""
+        return next((m for m in self.out if m.request_id == rid), None)
 
     def close(self) -> None:
         self.proc.terminate()
@@ -214,8 +199,6 @@ class _Replica:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        self._halt.set()
-        self._sched.join(5)
         for s in (self.to_tok, self.from_tok, self.status):
             s.close()
         self.ctx.destroy(linger=0)
@@ -235,7 +218,7 @@ def test_a_slow_schema_is_a_400_while_the_replica_serves_on():
             replica.send("json-2", "Hi", JSON)
             # the plain request goes through at once while the slow one compiles
             replica.wait(lambda: replica.ended("plain"), 30)
-            assert isinstance(replica.ended("plain"), TextDelta) and time.monotonic() - start < 2.0
+            assert isinstance(replica.ended("plain"), TokenizedRequest) and time.monotonic() - start < 2.0
             replica.wait(lambda: all(replica.ended(r) for r in ("slow", "json-1", "json-2")), 60)
             quick = [m for m in replica.forwarded if m.request_id.startswith("json")]
             assert len(quick) == 2 and quick[0].compiled_grammar == quick[1].compiled_grammar != ""
@@ -245,7 +228,7 @@ def test_a_slow_schema_is_a_400_while_the_replica_serves_on():
             replica.send("after", "Again")  # the replica goes on, with a fresh worker
             replica.send("json-3", "Hi", JSON)
             replica.wait(lambda: replica.ended("after") and replica.ended("json-3"), 30)
-            assert isinstance(replica.ended("json-3"), TextDelta)
+            assert isinstance(replica.ended("json-3"), TokenizedRequest)
             # heartbeats kept coming, and never said stuck
             seen = [(t, s) for t, s in replica.beats if t >= start]
             assert all(s == "ready" for _, s in seen), seen

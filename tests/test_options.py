@@ -88,6 +88,16 @@ def test_every_serve_flag_reaches_every_stage_that_takes_it_and_the_argv_round_t
     assert [stage_args(cmds[f"tokenizer-{i}"])[1].replica for i in range(2)] == ["tokenizer-0", "tokenizer-1"]
 
 
+def test_the_gateway_reaches_every_engines_scheduler_and_the_tokenizers_none():
+    run = Addresses.ipc("/tmp/run")
+    cmds = launcher.stage_commands(serve_args(["--data-parallel-size", "2", "--tokenizer-replicas", "2"]), run)
+    schedulers = [stage_args(cmds[f"scheduler-{i}"])[1].scheduler_in for i in range(2)]
+    assert schedulers == [run.scheduler_in, run.scheduler_in.replace(".ipc", "-1.ipc")]
+    assert stage_args(cmds["gateway"])[1].scheduler_in == ",".join(schedulers)  # engine i at position i
+    for i in range(2):  # the plain addresses: a replica answers the gateway and reaches no scheduler
+        assert cmds[f"tokenizer-{i}"][-len(run.as_argv()):] == run.as_argv()
+
+
 def test_defaults_go_unsaid_and_parse_back_to_the_defaults():
     cmds = launcher.stage_commands(serve_args(["--cpu-placement", "off"]), Addresses.ipc("/tmp/run"))
     assert cmds["executor"][cmds["executor"].index("stage") + 2:cmds["executor"].index("--tokenizer-in")] == []

@@ -1,21 +1,14 @@
 """The tokenizer stage process: load the tokenizer, connect the sockets, run the loop.
 
-Requests arrive from the gateway on tokenizer_in, through a DEALER named after this
-replica (the gateway routes each request, and its abort, to a replica by name). It talks
-to the scheduler through another DEALER of that name, so the scheduler's replies for
-the requests it forwarded come back to it. Its heartbeat says "stuck" when the loop has
-made no turn for STUCK_AFTER_S (a hung tokenizer call, say): the gateway then routes
-around it and replays its requests elsewhere. Scheduler messages are served first: they carry
-tokens users are waiting for, while a new prompt can wait a moment. Each new request is
-acknowledged to the gateway with this process's instance id, so that the gateway can
-retry the requests of a replica that dies. With several engines (data parallelism,
---scheduler-in a comma-separated list, one address per engine) it routes each request
-to one of them (`engine_links.EngineLinks`, `engine_router.EngineRouter`), by the engines'
-loads the gateway sends (EngineLoads). When the gateway that sent requests is gone (a
-new gateway instance, or its GatewayBeats stop: `gateway_watch`), their aborts go to the
-scheduler, so a dead gateway's requests stop generating. Structured output specs compile
-in a pool of worker processes (`grammar_pool`) with a time limit, so that a slow one never
-stalls this loop.
+A replica is a stateless worker (`stage.TokenizerStage`): messages arrive from the gateway
+on tokenizer_in, through a DEALER named after this replica (the gateway deals each
+request to a live replica by name), and every answer goes back to the gateway on a PUSH
+to gateway_in. It has no socket to a scheduler: the gateway passes each TokenizedRequest
+on to the engine it picks. Its heartbeat says "stuck" when the loop has made no turn for
+STUCK_AFTER_S (a hung tokenizer call, say): the gateway then routes around it and sends
+the requests still waiting for its answer to another replica. Structured output specs
+compile in a pool of worker processes (`grammar_pool`) with a time limit, so that a slow
+one never stalls this loop; the loop also wakes when a worker answers.
 """
 
 from __future__ import annotations
@@ -32,22 +25,13 @@ import zmq
 from transformers import AutoConfig, GenerationConfig
 
 from services.tokenizer import grammar_pool
-from services.gateway.engine_links import EngineLinks
-from services.scheduler.gateway_watch import GatewayWatch
 from services.tokenizer.prompts import PromptBuilder
 from services.tokenizer.stage import TokenizerStage
 from shared import structured_output
 from shared.config import Addresses
 from shared.curve import stage_keys
-from shared.heartbeat import INSTANCE_ID, HeartbeatThread
-from shared.messages import (
-    EngineLoads,
-    GatewayBeat,
-    GatewayToTokenizer,
-    GenerateRequest,
-    RequestAccepted,
-    TokenizerToGateway,
-)
+from shared.heartbeat import HeartbeatThread
+from shared.messages import GatewayToTokenizer, TokenizerToGateway
 from shared.model_files import load_tokenizer, resolve_model
 from shared.transport import DealerSocket, PushSocket, configure, wait_readable
 
@@ -55,8 +39,7 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 100
 STUCK_AFTER_S = 5.0  # a loop turn takes at most POLL_MS when idle
-GATEWAY_BATCH = 8  # new requests taken per turn before looking at the scheduler again
-GATEWAY_CHECK_S = 0.25  # how often the gateway's liveness is looked at
+BATCH = 8  # messages taken per turn before the grammar pool is polled again
 
 
 def load_prompt_builder(model: str, max_model_len: int | None):
@@ -83,7 +66,7 @@ def _ids(value) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    addrs = Addresses.from_args(args)
+    addrs = Addresses.from_args(args, required=("tokenizer_in", "gateway_in", "status"))
     # The host name tells apart replicas in containers, where every pid is 1.
     replica = args.replica or f"tokenizer-{socket.gethostname()}-{os.getpid()}"
     state = "loading tokenizer"
@@ -102,31 +85,26 @@ def run(args: argparse.Namespace) -> int:
     heartbeat = HeartbeatThread(ctx, addrs.status, "tokenizer", replica, health)
     heartbeat.start()
     to_gateway = PushSocket(ctx, addrs.gateway_in, TokenizerToGateway, bind=False)
-    scheduler = EngineLinks(ctx, addrs.scheduler_in.split(","), replica, args.routing, to_gateway.send)
-    from_gateway = None
+    from_gateway = stage = None
     try:
         tokenizer, prompts, eos = load_prompt_builder(args.model, args.max_model_len)
-        grammars = None
         if structured_output.available():  # workers start on the first constrained request
             grammars = grammar_pool.GrammarPool.for_tokenizer(
                 tokenizer, prompts.vocab_size, workers=args.grammar_workers,
                 timeout_s=args.grammar_compile_timeout, max_bytes=args.grammar_max_bytes)
-        stage = TokenizerStage(tokenizer, prompts, eos, to_gateway.send, scheduler.send, grammars)
+        stage = TokenizerStage(tokenizer, prompts, eos, to_gateway.send, grammars)
         # Connected only now: the gateway deals requests to every connected replica.
         from_gateway = DealerSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, identity=replica)
         log.info("%s ready: max_model_len=%d eos=%s", replica, prompts.max_model_len, eos)
         state = "ready"
-
-        def accepted(request_id: str) -> None:
-            to_gateway.send(RequestAccepted(request_id, replica, INSTANCE_ID))
-
         progress.turned()
-        _serve(stage, from_gateway, scheduler, stop, accepted, progress)
+        _serve(stage, from_gateway, stop, progress)
     finally:
         heartbeat.stop()  # a daemon thread: it owns its socket, so the context is left to exit
-        if grammars is not None:
-            grammars.close()
-        for sock in (from_gateway, to_gateway, scheduler):
+        pool = stage.grammars if stage is not None else grammars  # the stage may have replaced a broken one
+        if pool is not None:
+            pool.close()
+        for sock in (from_gateway, to_gateway):
             if sock is not None:
                 sock.close()
     return 0
@@ -145,44 +123,18 @@ class _Progress:
         return time.monotonic() - self.at
 
 
-def _serve(stage: TokenizerStage, from_gateway: DealerSocket, scheduler: EngineLinks, stop, accepted,
-           progress: _Progress) -> None:
-    gateways = GatewayWatch()
-    next_check = 0.0
-
-    def gateways_gone(instances: set[str], why: str) -> None:
-        if instances:
-            n = stage.abort_gateway(instances)
-            log.warning("gateway instance %s %s: aborted its %d requests", ",".join(sorted(instances)), why, n)
-
+def _serve(stage: TokenizerStage, from_gateway: DealerSocket, stop, progress: _Progress) -> None:
     while not stop.is_set():
         progress.turned()
         busy = stage.poll_grammars()
-        for msg in scheduler.recv_nowait():
-            stage.handle_scheduler(msg)
-            busy = True
-        for _ in range(GATEWAY_BATCH):
+        for _ in range(BATCH):
             msg = from_gateway.recv(timeout_ms=0)
             if msg is None:
                 break
             busy = True
-            if isinstance(msg, GatewayBeat):
-                gateways_gone(gateways.heard(msg.instance), "replaced by a new one")
-                continue
-            if isinstance(msg, EngineLoads):
-                scheduler.update(msg)
-                continue
-            if isinstance(msg, GenerateRequest):
-                gateways_gone(gateways.heard(msg.gateway_instance), "replaced by a new one")
-                accepted(msg.request_id)
-            stage.handle_gateway(msg)
-        now = time.monotonic()
-        if now >= next_check:
-            next_check = now + GATEWAY_CHECK_S
-            gateways_gone(gateways.expired(), f"silent for over {gateways.lost_after_s:.0f} s")
-        scheduler.forget_finished(stage.active)
+            stage.handle(msg)
         if not busy:
-            _wait([from_gateway, *scheduler.sockets.values()], stage.grammars, POLL_MS)
+            _wait([from_gateway], stage.grammars, POLL_MS)
 
 
 def _wait(sockets: list, grammars, timeout_ms: int) -> None:
