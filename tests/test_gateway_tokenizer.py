@@ -385,7 +385,7 @@ def test_bad_requests_get_400(server, path, body, raw, needle):
 def test_scheduler_error_is_forwarded(server):
     base, _ = server
     status, _, out = call(post(base, "/v1/completions", {"prompt": "FAIL now"}))
-    assert status == 503
+    assert status == 503, out
     assert json.loads(out)["error"]["message"] == "no KV blocks left"
 
 

@@ -186,7 +186,10 @@ class EngineClient:
         if stream.queue.qsize() >= self.max_buffered:
             self._overflow(stream)
             return
-        if isinstance(msg, TokenDelta) and msg.request_id not in stream.prefilled:
+        if isinstance(msg, RequestError):
+            stream.queue.put_nowait(msg)
+            return
+        if msg.request_id not in stream.prefilled:
             stream.prefilled.add(msg.request_id)
             self.engines.prefilled(msg.request_id)
         stream.queue.put_nowait((msg, entry[1]))
