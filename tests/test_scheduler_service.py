@@ -1,6 +1,8 @@
 """The scheduler stage's socket loop, run in a thread against a stand-in executor and
-tokenizer replicas over inproc sockets: hostile requests and broken results fail one
-request, never the stage."""
+stand-in gateways (DEALERs that send GatewayToScheduler and read SchedulerToGateway) over
+inproc sockets: hostile requests and broken results fail one request, never the stage; a
+gateway that goes silent loses its requests, one that is slow holds them; resumed requests
+go on from the output they bring."""
 
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ from shared.messages import (
     ExecutorReady,
     ExecutorToScheduler,
     FailedRow,
+    GatewayBeat,
     RequestError,
     SamplingParams,
     SchedulerToExecutor,
-    SchedulerToTokenizer,
+    SchedulerToGateway,
     StepDeltas,
     StepResult,
     TokenDelta,
@@ -49,6 +52,8 @@ class Stage:
         self.nan_for: set[str] = set()  # requests whose beams get NaN logprobs
         self.forged_for: set[str] = set()  # requests sampled a token id outside any vocabulary
         self.fail_at: dict[tuple[str, int], int] = {}  # (request, seq index) -> output index its row fails at
+        self.beating: dict[str, DealerSocket] = {}  # the stand-in gateways that beat
+        self.beat_at = 0.0
         self.steps = 0
         self.widest = 0  # the most sequences in one step
         self.thread = threading.Thread(target=self.service.serve, daemon=True)
@@ -57,8 +62,19 @@ class Stage:
                                              vocab_size=vocab_size, num_swap_blocks=num_swap_blocks,
                                              max_num_seqs=sized_for[0], max_num_batched_tokens=sized_for[1]))
 
-    def tokenizer(self, name: str) -> DealerSocket:
-        return DealerSocket(self.ctx, self.addrs.scheduler_in, SchedulerToTokenizer, name)
+    def gateway(self, name: str, beats: bool = True) -> DealerSocket:
+        """A stand-in gateway ("gateway-<name>"); it beats (GatewayBeat) while `run_until` runs,
+        as a live one does, unless told not to."""
+        sock = DealerSocket(self.ctx, self.addrs.scheduler_in, SchedulerToGateway, f"gateway-{name}")
+        if beats:
+            self.beating[name] = sock
+        return sock
+
+    def beat(self) -> None:
+        if time.monotonic() - self.beat_at >= 0.5:
+            self.beat_at = time.monotonic()
+            for name, sock in self.beating.items():
+                sock.send(GatewayBeat(name))
 
     def execute(self) -> None:
         """Answer every step the scheduler sent: token 7, or beam candidates."""
@@ -81,7 +97,7 @@ class Stage:
                 sampled[f.index] = -1
             self.executor_out.send(StepResult(step.step_id, sampled, 0.001, top, failed=failed))
 
-    def run_until(self, done, *tokenizers: DealerSocket, timeout_s: float = 20.0, execute=True) -> dict:
+    def run_until(self, done, *gateways: DealerSocket, timeout_s: float = 20.0, execute=True) -> dict:
         """Play the executor until done(replies) holds; replies by request id, in order."""
         replies: dict[str, list] = getattr(self, "_replies", {})
         self._replies = replies
@@ -91,8 +107,9 @@ class Stage:
             assert self.thread.is_alive(), "the scheduler loop died"
             if execute:
                 self.execute()
-            for tok in tokenizers:
-                for frame in tok.recv_nowait():
+            self.beat()
+            for gw in gateways:
+                for frame in gw.recv_nowait():
                     for msg in frame.deltas if isinstance(frame, StepDeltas) else [frame]:
                         replies.setdefault(msg.request_id, []).append(msg)
             time.sleep(0.001)
@@ -132,16 +149,16 @@ HOSTILE = {
 
 
 def test_hostile_numbers_are_refused_and_the_stage_goes_on(stage):
-    tok = stage.tokenizer("tok-0")
-    tok.send(honest("first"))
+    gw = stage.gateway("gw-0")
+    gw.send(honest("first"))
     for rid, params in HOSTILE.items():
-        tok.send(TokenizedRequest(rid, [5, 6, 7], params, [2], 0.0))
-    tok.send(TokenizedRequest("empty-prompt", [], SamplingParams(), [2], 0.0))
-    tok.send(TokenizedRequest("bad-token", [5, -1], SamplingParams(), [2], 0.0))
-    tok.send(TokenizedRequest("bad-time", [5], SamplingParams(), [2], math.nan))
-    tok.send(honest("last"))
+        gw.send(TokenizedRequest(rid, [5, 6, 7], params, [2], 0.0))
+    gw.send(TokenizedRequest("empty-prompt", [], SamplingParams(), [2], 0.0))
+    gw.send(TokenizedRequest("bad-token", [5, -1], SamplingParams(), [2], 0.0))
+    gw.send(TokenizedRequest("bad-time", [5], SamplingParams(), [2], math.nan))
+    gw.send(honest("last"))
     bad = [*HOSTILE, "empty-prompt", "bad-token", "bad-time"]
-    replies = stage.run_until(lambda r: all(ended(r.get(k, [])) for k in ["first", "last", *bad]), tok)
+    replies = stage.run_until(lambda r: all(ended(r.get(k, [])) for k in ["first", "last", *bad]), gw)
     for rid in bad:
         (err,) = replies[rid]
         assert isinstance(err, RequestError) and err.status == 400, (rid, err)
@@ -151,14 +168,14 @@ def test_hostile_numbers_are_refused_and_the_stage_goes_on(stage):
 
 
 def test_a_broken_result_for_one_beam_request_fails_it_alone(stage):
-    tok = stage.tokenizer("tok-0")
+    gw = stage.gateway("gw-0")
     stage.nan_for.add("bad")
     beams = SamplingParams(max_tokens=4, use_beam_search=True, beam_width=2, n=2, ignore_eos=True)
-    tok.send(TokenizedRequest("bad", [5, 6, 7], beams, [2], 0.0))
-    tok.send(TokenizedRequest("good", [5, 6, 7], beams, [2], 0.0))
-    tok.send(honest("plain"))
+    gw.send(TokenizedRequest("bad", [5, 6, 7], beams, [2], 0.0))
+    gw.send(TokenizedRequest("good", [5, 6, 7], beams, [2], 0.0))
+    gw.send(honest("plain"))
     replies = stage.run_until(lambda r: all(len(r.get(k, [])) >= n for k, n in
-                                            (("bad", 1), ("good", 2), ("plain", 5))), tok)
+                                            (("bad", 1), ("good", 2), ("plain", 5))), gw)
     (err,) = replies["bad"]
     assert isinstance(err, RequestError) and err.status == 500 and err.error_type == "internal_error"
     assert [len(m.token_ids) for m in replies["good"]] == [4, 4]
@@ -173,15 +190,15 @@ def test_a_row_the_executor_fails_ends_its_request_alone(argv):
     rows of the step, and the steps after, go on as before."""
     stage = Stage(argv=argv)
     try:
-        tok = stage.tokenizer("tok-0")
+        gw = stage.gateway("gw-0")
         stage.fail_at[("one", 0)] = 2
         stage.fail_at[("pair", 1)] = 3
-        tok.send(honest("before", 8))
-        tok.send(TokenizedRequest("one", [5, 6, 7, 8, 9], SamplingParams(max_tokens=8, ignore_eos=True), [2], 0.0))
-        tok.send(TokenizedRequest("pair", [5, 6, 7, 8, 9], SamplingParams(max_tokens=8, n=2, ignore_eos=True),
+        gw.send(honest("before", 8))
+        gw.send(TokenizedRequest("one", [5, 6, 7, 8, 9], SamplingParams(max_tokens=8, ignore_eos=True), [2], 0.0))
+        gw.send(TokenizedRequest("pair", [5, 6, 7, 8, 9], SamplingParams(max_tokens=8, n=2, ignore_eos=True),
                                   [2], 0.0))
-        tok.send(honest("after", 8))
-        replies = stage.run_until(lambda r: all(ended(r.get(k, [])) for k in ("before", "one", "pair", "after")), tok)
+        gw.send(honest("after", 8))
+        replies = stage.run_until(lambda r: all(ended(r.get(k, [])) for k in ("before", "one", "pair", "after")), gw)
         for rid, n_tokens in (("one", 2), ("pair", None)):
             err = replies[rid][-1]
             assert isinstance(err, RequestError) and err.status == 400, err
@@ -201,15 +218,16 @@ def test_a_row_the_executor_fails_ends_its_request_alone(argv):
         stage.close()
 
 
-class SmallQueueReplica(DealerSocket):
+class SmallQueueGateway(DealerSocket):
     def __init__(self, ctx, address: str, name: str):  # RCVHWM must be set before connecting
-        _Typed.__init__(self, ctx, zmq.DEALER, address, SchedulerToTokenizer, bind=False,
+        _Typed.__init__(self, ctx, zmq.DEALER, address, SchedulerToGateway, bind=False,
                         opts={zmq.IDENTITY: name.encode(), zmq.RCVHWM: 2})
 
 
-def slow_replica(stage: Stage, name: str) -> DealerSocket:
-    """A replica whose queue holds about 4 messages (with `small_queues`)."""
-    return SmallQueueReplica(stage.ctx, stage.addrs.scheduler_in, name)
+def slow_gateway(stage: Stage, name: str) -> DealerSocket:
+    """A gateway whose queue holds about 4 messages (with `small_queues`); it beats."""
+    sock = stage.beating[name] = SmallQueueGateway(stage.ctx, stage.addrs.scheduler_in, f"gateway-{name}")
+    return sock
 
 
 @pytest.fixture
@@ -229,9 +247,9 @@ def tokens(msgs: list) -> list[int]:
     return [t for m in msgs if isinstance(m, TokenDelta) for t in m.token_ids]
 
 
-def test_a_replica_that_does_not_read_holds_its_requests_and_loses_no_token(small_queues, stage):
-    slow = slow_replica(stage, "slow")
-    fast = stage.tokenizer("fast")
+def test_a_gateway_that_does_not_read_holds_its_requests_and_loses_no_token(small_queues, stage):
+    slow = slow_gateway(stage, "slow")
+    fast = stage.gateway("fast")
     slow.send(honest("s", 40))
     fast.send(honest("f", 40))
     replies = stage.run_until(lambda r: ended(r.get("f", [])), fast)  # others go on meanwhile
@@ -241,11 +259,11 @@ def test_a_replica_that_does_not_read_holds_its_requests_and_loses_no_token(smal
     assert tokens(replies["s"]) == [7] * 40 and replies["s"][-1].finish_reason == "length"
 
 
-def test_a_replica_stuck_past_the_timeout_has_its_requests_failed_loudly(small_queues, monkeypatch):
+def test_a_gateway_stuck_past_the_timeout_has_its_requests_failed_loudly(small_queues, monkeypatch):
     monkeypatch.setattr("services.scheduler.service.STALL_TIMEOUT_S", 0.3)
     stage = Stage()
     try:
-        stuck = slow_replica(stage, "stuck")
+        stuck = slow_gateway(stage, "stuck")
         stuck.send(honest("x", 40))
         stage.run_until(lambda r: stage.service.scheduler is not None and "x" in stage.service.scheduler.groups)
         stage.run_until(lambda r: "x" not in stage.service.scheduler.groups)
@@ -261,14 +279,14 @@ def test_a_replica_stuck_past_the_timeout_has_its_requests_failed_loudly(small_q
 def test_token_ids_outside_the_vocabulary_fail_only_their_request():
     stage = Stage(vocab_size=100)
     try:
-        tok = stage.tokenizer("tok-0")
+        gw = stage.gateway("gw-0")
         stage.forged_for.add("forged-result")
-        tok.send(honest("before"))
-        tok.send(TokenizedRequest("forged-prompt", [5, 100], SamplingParams(), [2], 0.0))  # 100: one past the end
-        tok.send(honest("forged-result"))
-        tok.send(honest("after"))
+        gw.send(honest("before"))
+        gw.send(TokenizedRequest("forged-prompt", [5, 100], SamplingParams(), [2], 0.0))  # 100: one past the end
+        gw.send(honest("forged-result"))
+        gw.send(honest("after"))
         replies = stage.run_until(lambda r: all(ended(r.get(k, [])) for k in
-                                                ("before", "forged-prompt", "forged-result", "after")), tok)
+                                                ("before", "forged-prompt", "forged-result", "after")), gw)
         (err,) = replies["forged-prompt"]
         assert isinstance(err, RequestError) and err.status == 400 and "vocabulary (0 to 99)" in err.message
         (err,) = replies["forged-result"]
@@ -281,16 +299,16 @@ def test_token_ids_outside_the_vocabulary_fail_only_their_request():
         stage.close()
 
 
-def test_a_step_s_tokens_reach_a_replica_as_one_frame(stage):
-    tok = stage.tokenizer("t0")
+def test_a_step_s_tokens_reach_a_gateway_as_one_frame(stage):
+    gw = stage.gateway("t0")
     for i in range(4):
-        tok.send(honest(f"r{i}", 3))
+        gw.send(honest(f"r{i}", 3))
     frames = []
     deadline = time.monotonic() + 20
     while sum(len(f.deltas) if isinstance(f, StepDeltas) else 1 for f in frames) < 12:
         assert time.monotonic() < deadline, frames
         stage.execute()
-        frames += tok.recv_nowait()
+        frames += gw.recv_nowait()
         time.sleep(0.001)
     batched = [f for f in frames if isinstance(f, StepDeltas)]
     assert batched and all(len(f.deltas) > 1 for f in batched)  # one frame per step, not one per sequence
@@ -316,8 +334,8 @@ def test_the_next_step_goes_out_before_the_result_of_the_one_in_flight(async_sch
     before the first is answered; never a third. Without it, one step at a time."""
     stage = Stage(argv=() if async_scheduling else ("--no-async-scheduling",))
     try:
-        tok = stage.tokenizer("t0")
-        tok.send(honest("one", 4))
+        gw = stage.gateway("t0")
+        gw.send(honest("one", 4))
         sent = steps_sent(stage, 1.0)
         assert [len(s.seqs[0].token_ids) for s in sent] == ([5, 1] if async_scheduling else [5])
         if async_scheduling:
@@ -329,7 +347,7 @@ def test_the_next_step_goes_out_before_the_result_of_the_one_in_flight(async_sch
                 stage.executor_out.send(StepResult(step.step_id, [7], 0.001))
             sent = steps_sent(stage, 0.2)
             assert len(sent) <= (2 if async_scheduling else 1)
-            for frame in tok.recv_nowait():
+            for frame in gw.recv_nowait():
                 for d in frame.deltas if isinstance(frame, StepDeltas) else [frame]:
                     tokens += d.token_ids
         assert tokens == [7, 7, 7, 7] and not sent
@@ -344,10 +362,10 @@ def test_steps_stay_within_the_limits_the_executor_was_sized_for(caplog):
     with different --max-num-seqs): the scheduler schedules within the executor's, and says so."""
     stage = Stage(argv=("--max-num-seqs", "8"), sized_for=(2, 64))
     try:
-        tok = stage.tokenizer("tok-0")
+        gw = stage.gateway("gw-0")
         for i in range(5):
-            tok.send(honest(f"r{i}"))
-        replies = stage.run_until(lambda r: all(ended(r.get(f"r{i}", [])) for i in range(5)), tok)
+            gw.send(honest(f"r{i}"))
+        replies = stage.run_until(lambda r: all(ended(r.get(f"r{i}", [])) for i in range(5)), gw)
         assert all([t for m in replies[f"r{i}"] for t in m.token_ids] == [7] * 5 for i in range(5))
         assert stage.widest == 2
         assert (stage.service.scheduler.config.max_num_seqs, stage.service.scheduler.config.max_num_batched_tokens) \
