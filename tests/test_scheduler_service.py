@@ -20,6 +20,7 @@ from shared import transport
 from shared.config import ADDRESS_NAMES, Addresses
 from shared.messages import (
     PREVIOUS_TOKEN,
+    AbortRequest,
     ExecuteStep,
     ExecutorReady,
     ExecutorToScheduler,
@@ -41,7 +42,8 @@ class Stage:
     """A scheduler service in a thread, with the test as its executor."""
 
     def __init__(self, num_kv_blocks: int = 64, vocab_size: int = 0, argv: tuple[str, ...] = (),
-                 num_swap_blocks: int = 0, sized_for: tuple[int, int] = (0, 0)):
+                 num_swap_blocks: int = 0, sized_for: tuple[int, int] = (0, 0), ready: bool = True,
+                 step_delay_s: float = 0.0):
         self.ctx = zmq.Context()
         self.addrs = Addresses(**{name: f"inproc://{name}" for name in ADDRESS_NAMES})
         parser = argparse.ArgumentParser()
@@ -54,13 +56,17 @@ class Stage:
         self.fail_at: dict[tuple[str, int], int] = {}  # (request, seq index) -> output index its row fails at
         self.beating: dict[str, DealerSocket] = {}  # the stand-in gateways that beat
         self.beat_at = 0.0
+        self.step_delay_s = step_delay_s  # the stand-in executor answers no faster than this
+        self.answered_at = 0.0
         self.steps = 0
         self.widest = 0  # the most sequences in one step
         self.thread = threading.Thread(target=self.service.serve, daemon=True)
         self.thread.start()
-        self.executor_out.send(ExecutorReady("test-executor", num_kv_blocks, 4, 256, instance="test",
-                                             vocab_size=vocab_size, num_swap_blocks=num_swap_blocks,
-                                             max_num_seqs=sized_for[0], max_num_batched_tokens=sized_for[1]))
+        self.ready_msg = ExecutorReady("test-executor", num_kv_blocks, 4, 256, instance="test",
+                                       vocab_size=vocab_size, num_swap_blocks=num_swap_blocks,
+                                       max_num_seqs=sized_for[0], max_num_batched_tokens=sized_for[1])
+        if ready:
+            self.executor_out.send(self.ready_msg)
 
     def gateway(self, name: str, beats: bool = True) -> DealerSocket:
         """A stand-in gateway ("gateway-<name>"); it beats (GatewayBeat) while `run_until` runs,
@@ -78,6 +84,9 @@ class Stage:
 
     def execute(self) -> None:
         """Answer every step the scheduler sent: token 7, or beam candidates."""
+        if time.monotonic() - self.answered_at < self.step_delay_s:
+            return
+        self.answered_at = time.monotonic()
         for step in self.executor_in.recv_nowait():
             if not isinstance(step, ExecuteStep):
                 continue
@@ -371,5 +380,117 @@ def test_steps_stay_within_the_limits_the_executor_was_sized_for(caplog):
         assert (stage.service.scheduler.config.max_num_seqs, stage.service.scheduler.config.max_num_batched_tokens) \
             == (2, 64)
         assert "sized for steps of --max-num-seqs 2 and --max-num-batched-tokens 64" in caplog.text
+    finally:
+        stage.close()
+
+
+def test_a_gateway_that_stops_beating_loses_its_requests_while_another_goes_on(monkeypatch, caplog):
+    """GatewayBeat: a gateway silent for GATEWAY_LOST_AFTER_S (here 1 s) has its requests
+    aborted, blocks freed, no reply, logged once; a gateway that beats is untouched."""
+    monkeypatch.setattr("services.scheduler.service.GATEWAY_LOST_AFTER_S", 1.0)
+    stage = Stage(step_delay_s=0.02)  # ~50 tokens a second: the requests outlast the timeout
+    try:
+        dead = stage.gateway("dead", beats=False)
+        live = stage.gateway("live")
+        dead.send(honest("d1", 120))
+        dead.send(TokenizedRequest("d2", [5, 6, 7, 8, 9], SamplingParams(max_tokens=120, n=2, ignore_eos=True),
+                                   [2], 0.0))
+        sent_at = time.monotonic()
+        live.send(honest("l1", 120))
+        sched = lambda: stage.service.scheduler  # noqa: E731
+        stage.run_until(lambda r: sched() is not None and not {"d1", "d2"} & set(sched().groups)
+                        and "d1" in r, dead, live)
+        lost_after = time.monotonic() - sent_at
+        assert 1.0 <= lost_after < 3.0, lost_after
+        assert "l1" in sched().groups  # the live gateway's request goes on
+        replies = stage.run_until(lambda r: ended(r.get("l1", [])), dead, live)
+        assert tokens(replies["l1"]) == [7] * 120 and replies["l1"][-1].finish_reason == "length"
+        for rid in ("d1", "d2"):  # tokens until it was lost, then nothing: no error, no final delta
+            assert 0 < len(tokens(replies[rid])) < 120 * (1 if rid == "d1" else 2) and not ended(replies[rid])
+        assert sched().blocks.num_used_blocks == 0 and not sched().running and not sched().waiting
+        assert b"gateway-dead" not in stage.service.gateways and b"gateway-live" in stage.service.gateways
+        assert caplog.text.count("silent for over") == 1
+    finally:
+        stage.close()
+
+
+def test_an_abort_ends_its_request_without_a_reply_and_a_pending_one_is_dropped():
+    stage = Stage(ready=False)
+    try:
+        gw = stage.gateway("g")
+        gw.send(honest("pending", 5))
+        gw.send(AbortRequest("pending"))  # before the executor is up
+        gw.send(honest("kept", 5))
+        stage.run_until(lambda r: len(stage.service.pending) == 1, execute=False)
+        stage.executor_out.send(stage.ready_msg)
+        gw.send(honest("running", 40))
+        replies = stage.run_until(lambda r: "running" in r, gw)
+        gw.send(AbortRequest("running"))
+        gw.send(AbortRequest("never-seen"))  # ended long ago: nothing to do, nothing said
+        replies = stage.run_until(lambda r: "running" not in stage.service.scheduler.groups and ended(r.get("kept", [])),
+                                  gw)
+        time.sleep(0.1)
+        replies = stage.run_until(lambda r: True, gw)
+        assert "pending" not in replies and "never-seen" not in replies
+        assert tokens(replies["kept"]) == [7] * 5
+        assert not ended(replies["running"]) and len(tokens(replies["running"])) < 40  # no "abort" ack
+        assert stage.service.scheduler.blocks.num_used_blocks == 0
+    finally:
+        stage.close()
+
+
+def test_a_resumed_request_goes_on_after_its_output():
+    """TokenizedRequest.output_token_ids: max_tokens counts them, the first delta tells the
+    prefix cache's share, the first step recomputes prompt and output and samples index k."""
+    stage = Stage()
+    try:
+        gw = stage.gateway("g")
+        gw.send(TokenizedRequest("first", [5, 6, 7, 8, 9, 10, 11, 12, 13], SamplingParams(max_tokens=6, ignore_eos=True),
+                                 [2], 0.0))
+        replies = stage.run_until(lambda r: ended(r.get("first", [])), gw)
+        assert tokens(replies["first"]) == [7] * 6 and replies["first"][0].num_cached_tokens == 0
+        resumed = TokenizedRequest("again", [5, 6, 7, 8, 9, 10, 11, 12, 13],
+                                   SamplingParams(max_tokens=6, ignore_eos=True, presence_penalty=1.0), [2], 0.0,
+                                   output_token_ids=[7, 7, 7, 7])
+        gw.send(resumed)
+        time.sleep(0.2)
+        (step,) = [m for m in stage.executor_in.recv_nowait() if isinstance(m, ExecuteStep)]
+        (row,) = step.seqs
+        # blocks of 4: the first run left [5..8], [9..12] and [13, 7, 7, 7] in the cache, so
+        # all but the last token (always computed) come from it
+        assert row.start_pos == 12 and row.token_ids == [7] and row.output_index == 4 and row.sample
+        assert row.output_start == 0 and row.output_token_ids == [7, 7, 7, 7]
+        stage.executor_out.send(StepResult(step.step_id, [7], 0.001))
+        replies = stage.run_until(lambda r: ended(r.get("again", [])), gw)
+        assert tokens(replies["again"]) == [7] * 2 and replies["again"][-1].finish_reason == "length"
+        assert replies["again"][0].num_cached_tokens == 9  # the whole prompt
+    finally:
+        stage.close()
+
+
+RESUME_REFUSALS = {
+    "n": (SamplingParams(max_tokens=8, n=2), [7], "n == 1"),
+    "beam": (SamplingParams(max_tokens=8, use_beam_search=True, beam_width=2), [7], "beam search"),
+    "vocab": (SamplingParams(max_tokens=8), [7, 100], "vocabulary (0 to 99)"),
+    "negative": (SamplingParams(max_tokens=8), [-1], "vocabulary"),
+    "max-tokens": (SamplingParams(max_tokens=3), [7, 7, 7], "max_tokens (3)"),
+    "context": (SamplingParams(max_tokens=252), [7] * 251, "maximum context length of 256"),
+}
+
+
+def test_bad_resumes_are_refused_with_a_400_naming_the_problem():
+    stage = Stage(vocab_size=100)
+    try:
+        gw = stage.gateway("g")
+        for rid, (params, output, _) in RESUME_REFUSALS.items():
+            gw.send(TokenizedRequest(rid, [5, 6, 7, 8, 9], params, [2], 0.0, output_token_ids=output))
+        gw.send(TokenizedRequest("fine", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True), [2], 0.0,
+                                 output_token_ids=[7, 7, 7]))
+        replies = stage.run_until(lambda r: all(ended(r.get(k, [])) for k in [*RESUME_REFUSALS, "fine"]), gw)
+        for rid, (_, _, words) in RESUME_REFUSALS.items():
+            (err,) = replies[rid]
+            assert isinstance(err, RequestError) and err.status == 400 and words in err.message, (rid, err)
+        assert tokens(replies["fine"]) == [7] and replies["fine"][-1].finish_reason == "length"
+        assert stage.service.scheduler.blocks.num_used_blocks == 0
     finally:
         stage.close()
