@@ -78,8 +78,8 @@ class KVExecutor:
             if PREVIOUS_TOKEN in seq.token_ids and key not in self.last:
                 return StepFailed(step.step_id, "no previous token")  # a step of the instance before
             tokens = [self.last[key] if t == PREVIOUS_TOKEN else t for t in seq.token_ids]
-            for slot, tok in zip(seq.slot_mapping, tokens, strict=True):
-                self.pool[slot] = tok
+            for slot, gw in zip(seq.slot_mapping, tokens, strict=True):
+                self.pool[slot] = gw
             end = seq.start_pos + len(tokens)
             slots = [seq.block_table[p // bs] * bs + p % bs for p in range(end)]
             if any(slot not in self.pool for slot in slots):
@@ -101,10 +101,10 @@ def request(rid: str, prompt_len: int, max_tokens: int) -> TokenizedRequest:
     return TokenizedRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), [2], 0.0)
 
 
-def play(stage: Stage, executor: KVExecutor, tok, rids, until=None, timeout_s: float = 20.0) -> dict:
+def play(stage: Stage, executor: KVExecutor, gw, rids, until=None, timeout_s: float = 20.0) -> dict:
     """Run the executor until every request in rids ended (or until(replies))."""
     stage.execute = executor.serve
-    return stage.run_until(until or (lambda r: all(ended(r.get(rid, [])) for rid in rids)), tok,
+    return stage.run_until(until or (lambda r: all(ended(r.get(rid, [])) for rid in rids)), gw,
                            timeout_s=timeout_s)
 
 
@@ -120,17 +120,17 @@ def test_an_executor_back_with_another_pool_serves_every_request_on_it(new_pool)
     stage = Stage(num_kv_blocks=64)
     try:
         executor = KVExecutor(stage, 64)
-        tok = stage.tokenizer("t0")
+        gw = stage.gateway("t0")
         reqs = {f"r{i}": request(f"r{i}", 6 + i, 10) for i in range(4)}
         reqs["long"] = request("long", 8, 60)  # 68 tokens: 17 blocks of 4, 9 of 8
         for r in reqs.values():
-            tok.send(r)
-        play(stage, executor, tok, [], until=lambda r: sum(len(tokens_of(m)) for m in r.values()) >= 8)
+            gw.send(r)
+        play(stage, executor, gw, [], until=lambda r: sum(len(tokens_of(m)) for m in r.values()) >= 8)
         steps_sent(stage, 0.3)  # the executor dies with the steps in flight unanswered
         blocks, block_size = new_pool
         executor.resize(blocks, block_size)
         stage.executor_out.send(ExecutorReady("test-executor", blocks, block_size, 256, instance="second"))
-        replies = play(stage, executor, tok, list(reqs))
+        replies = play(stage, executor, gw, list(reqs))
         fits = blocks * block_size >= 68
         for rid, r in reqs.items():
             if rid == "long" and not fits:
@@ -152,14 +152,14 @@ def test_an_executor_reporting_no_pool_is_refused_and_its_successor_serves():
     stage = Stage(num_kv_blocks=64)
     try:
         executor = KVExecutor(stage, 64)
-        tok = stage.tokenizer("t0")
+        gw = stage.gateway("t0")
         stage.executor_out.send(ExecutorReady("broken", 0, 4, 256, instance="broken"))
-        tok.send(request("a", 6, 5))
-        play(stage, executor, tok, [], until=lambda r: stage.service.executor_lost is not None)
+        gw.send(request("a", 6, 5))
+        play(stage, executor, gw, [], until=lambda r: stage.service.executor_lost is not None)
         assert stage.thread.is_alive() and stage.service.scheduler.blocks.num_blocks == 64
         executor.resize(32, 4)
         stage.executor_out.send(ExecutorReady("fixed", 32, 4, 256, instance="fixed"))
-        replies = play(stage, executor, tok, ["a"])
+        replies = play(stage, executor, gw, ["a"])
         assert tokens_of(replies["a"]) == reference(list(request("a", 6, 5).prompt_token_ids), 5)
     finally:
         stage.close()
@@ -175,11 +175,11 @@ def test_the_swap_outs_of_a_failed_step_are_recomputed_not_swapped_in(async_sche
     try:
         executor = KVExecutor(stage, 10, num_host_blocks=40)
         executor.fail_swapping_steps = 1
-        tok = stage.tokenizer("t0")
+        gw = stage.gateway("t0")
         reqs = {f"s{i}": request(f"s{i}", 6, 16) for i in range(3)}  # 22 tokens, 6 blocks each; 10 in the pool
         for r in reqs.values():
-            tok.send(r)
-        replies = play(stage, executor, tok, list(reqs))
+            gw.send(r)
+        replies = play(stage, executor, gw, list(reqs))
         sched = stage.service.scheduler
         assert sched.num_swapped_out_total > 0, (sched.num_preemptions_total, sched.swap)
         assert executor.failed_swaps == 1

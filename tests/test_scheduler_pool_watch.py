@@ -1,5 +1,5 @@
 """The scheduler stage sends pool snapshots on the status channel only while a dashboard's
-subscription (WatchPool, through a tokenizer replica's socket) holds, over real sockets
+subscription (WatchPool, from a gateway's DEALER) holds, over real sockets
 (inproc), with the test as executor and as the gateway's status socket."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ def collect(status: PullSocket, stage: Stage, seconds: float) -> list[PoolSnapsh
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         stage.execute()
+        stage.beat()
         msg = status.recv(timeout_ms=10)
         if isinstance(msg, PoolSnapshot):
             out.append(msg)
@@ -29,13 +30,13 @@ def test_snapshots_flow_only_while_a_subscription_is_renewed():
     stage = Stage(num_kv_blocks=64)
     status = PullSocket(stage.ctx, stage.addrs.status, StatusToGateway, bind=True)
     try:
-        tok = stage.tokenizer("tok-0")
-        tok.send(honest("busy", max_tokens=240))
+        gw = stage.gateway("gw-0")
+        gw.send(honest("busy", max_tokens=240))
         stage.run_until(lambda r: stage.service.scheduler is not None and "busy" in stage.service.scheduler.groups,
                         execute=False)
         assert collect(status, stage, 0.6) == []  # nobody watches: nothing is built or sent
 
-        tok.send(WatchPool(interval_s=0.1, ttl_s=0.6))
+        gw.send(WatchPool(interval_s=0.1, ttl_s=0.6))
         got = collect(status, stage, 0.5)
         assert 3 <= len(got) <= 6, len(got)
         snap = got[-1]
@@ -48,7 +49,7 @@ def test_snapshots_flow_only_while_a_subscription_is_renewed():
         assert collect(status, stage, 0.5) == []
 
         for _ in range(4):  # renewed, as the gateway does while a page is open
-            tok.send(WatchPool(interval_s=0.1, ttl_s=0.3))
+            gw.send(WatchPool(interval_s=0.1, ttl_s=0.3))
             assert collect(status, stage, 0.2)
         assert stage.thread.is_alive()
     finally:

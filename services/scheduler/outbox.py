@@ -1,12 +1,13 @@
-"""Replies to tokenizer replicas that are never dropped because a replica is slow.
+"""Replies to gateways that are never dropped because a gateway is slow.
 
-A ROUTER send to a replica whose queue is full fails (EAGAIN). The message then
-waits here, and so does everything later for that replica, in order; `flush` retries
-every loop turn. While a replica has a backlog it is `held`: the scheduler runs none
+A ROUTER send to a gateway whose queue is full fails (EAGAIN). The message then
+waits here, and so does everything later for that gateway, in order; `flush` retries
+every loop turn. While a gateway has a backlog it is `held`: the scheduler runs none
 of its requests, so they produce nothing more until it reads again (backpressure).
-A replica whose backlog has not moved for stall_timeout_s is `stalled`: the caller
-fails its requests, loudly, so their blocks go to others. Messages to a replica that
-is gone (not connected) are dropped: the gateway replays its requests elsewhere.
+A gateway whose backlog has not moved for stall_timeout_s is `stalled`: the caller
+fails its requests, loudly, so their blocks go to others. Messages to a gateway that
+is gone (not connected) are dropped, and so is the backlog of one the caller found
+lost (`drop`): its requests were aborted, nobody will read their replies.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ class Outbox:
                 self._moved_at[peer] = time.monotonic()
             if not queue:
                 del self._backlog[peer], self._moved_at[peer]
+
+    def drop(self, peer: bytes) -> None:
+        """Forget what waits for peer (it is lost)."""
+        self._backlog.pop(peer, None)
+        self._moved_at.pop(peer, None)
 
     def stalled(self) -> list[bytes]:
         """Peers whose backlog has not moved for stall_timeout_s (each reported once a

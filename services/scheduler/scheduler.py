@@ -18,8 +18,12 @@ is not swapped back in, and if the step fails (`undo_swaps`) the host blocks, ne
 written, are freed and the sequence is recomputed instead.
 The pool itself may change under it (`replace_pool`: an executor that came back with
 another pool): every request then recomputes on the new one.
-Requests whose owner (`reply_to`) is in `held` (its replies cannot go out now) are
+Requests whose gateway (`reply_to`) is in `held` (its replies cannot go out now) are
 skipped: they keep their blocks but run no further until released.
+A resumed request (its first engine was lost) comes with its output so far
+(`Sequence.num_resumed_tokens`): it is admitted like a sequence preempted by recompute
+(prompt and output computed again, the prefix cache looked up as usual) and generates on
+from there, its seeds, max_tokens and min_tokens counting the whole output.
 Each step stays under `max_step_bytes` encoded (a quarter of the largest message a
 socket takes): sequences are added while their estimated bytes fit (`executor_states`),
 and the rest wait for the next step; a request whose sequence alone could not fit is
@@ -47,7 +51,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.executor_states import ExecutorStates
 from services.scheduler.host_block_pool import HostBlockPool
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
-from services.scheduler.validation import request_problem, token_limit
+from services.scheduler.validation import request_problem, resume_problem, token_limit
 from shared.messages import (
     PREVIOUS_TOKEN,
     ExecuteStep,
@@ -107,7 +111,7 @@ class Scheduler:
         self._failed: list[Sequence] = []  # failed, not yet reported (see take_failed)
         self._doomed: list[Sequence] = []  # failed while a step is being built: freed after it
         self._swap_outs: dict[int, list[Sequence]] = {}  # step id -> sequences it swaps out, until answered
-        self.held: set[bytes] = set()  # owners whose requests wait (backpressure)
+        self.held: set[bytes] = set()  # gateways whose requests wait (backpressure)
         self.executor_states = ExecutorStates()  # what the executor holds of each sequence
         self._step_bytes = 0  # of the step being built, estimated
         self._step_new: set[str] = set()  # requests whose state the step being built carries
@@ -118,6 +122,9 @@ class Scheduler:
         """Why a request can never run on this pool, or None if it can."""
         problem = request_problem(req.prompt_token_ids, req.params, req.arrival_time, self.config.vocab_size,
                                   req.eos_token_ids)
+        if problem is None and req.num_resumed_tokens:
+            problem = resume_problem(req.num_prompt_tokens, req.output_token_ids[: req.num_resumed_tokens],
+                                     req.params, self.config.max_model_len, self.config.vocab_size)
         if problem is not None:
             return problem
         if req.max_total_tokens > self.config.max_model_len:
@@ -540,8 +547,8 @@ class Scheduler:
                 return self._preempt_idle_beam(chunks)
             if n:
                 self._count_step_cost(req, cost)
-            if req.num_preemptions == 0 and not req.num_output_tokens:
-                req.num_cached_tokens = req.num_computed_tokens
+            if req.num_preemptions == 0 and req.num_output_tokens == req.num_resumed_tokens:
+                req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
         self.waiting.remove(req)
         req.status = SequenceStatus.RUNNING
         self.running.append(req)
@@ -669,8 +676,8 @@ class Scheduler:
             req.candidates = [tuple(c) for c in beam_cands]
             return None
         req.output_token_ids.append(token)
-        first = req.num_output_tokens == 1
-        prompt_logprobs = self._first_of_request(req) if first and req.params.prompt_logprobs is not None else False
+        first = req.num_output_tokens == req.num_resumed_tokens + 1  # the first this engine sends
+        prompt_logprobs = self._first_of_request(req) if first and req.asks_prompt_logprobs else False
         reason = req.stop_reason(self.config.max_model_len)
         if reason is not None:
             self._finish(req, reason)
@@ -679,7 +686,7 @@ class Scheduler:
                            stop_token_id=token if reason == "stop" else None)
         if first:  # a sequence's first delta says what its prompt cost
             delta.num_cached_tokens = req.num_cached_tokens
-            if prompt_logprobs:  # once a request: the tokenizer stage gives them to every sample
+            if prompt_logprobs:  # once a request: the gateway gives them to every sample
                 delta.prompt_logprobs = req.prompt_logprobs
         return delta
 

@@ -37,7 +37,7 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     arrival_time: float
-    reply_to: bytes = b""  # the tokenizer replica that owns this request's text
+    reply_to: bytes = b""  # the gateway (its DEALER identity) that sent the request and reads its deltas
     output_token_ids: list[int] = field(default_factory=list)  # a TokenHistory for beams (forks share it)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # digests of full blocks, for the prefix cache
@@ -54,6 +54,9 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied when it was first admitted
     compiled_grammar: str = ""  # params.structured as the tokenizer compiled it, passed on to the executor
+    # a resumed request (TokenizedRequest.output_token_ids): the output it came with, which its
+    # gateway has; recomputed with the prompt, as after a preemption, and never sent again
+    num_resumed_tokens: int = 0
 
     @property
     def fork_at(self) -> int:
@@ -119,16 +122,21 @@ class Sequence:
         return self.params.cache_salt
 
     @property
+    def asks_prompt_logprobs(self) -> bool:
+        """prompt_logprobs, unless resumed: a resumed request's gateway has them (its first delta)."""
+        return self.params.prompt_logprobs is not None and not self.num_resumed_tokens
+
+    @property
     def no_cache_hits(self) -> bool:
         """Its prompt is still to be scored: every position must be computed, none taken
         from the prefix cache."""
-        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        return self.asks_prompt_logprobs and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def score_targets(self, start: int, num_tokens: int) -> list[int]:
         """The next tokens of the prompt positions [start, start + num_tokens) still to score:
         position p is scored against prompt token p + 1 (the last prompt position predicts
         the first output token, which is sampled, not scored)."""
-        if self.params.prompt_logprobs is None or self.seq_index != 0:
+        if not self.asks_prompt_logprobs or self.seq_index != 0:
             return []
         end = min(start + num_tokens, self.num_prompt_tokens - 1)
         if end <= max(start, len(self.prompt_logprobs)):

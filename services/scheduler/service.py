@@ -1,7 +1,9 @@
 """Scheduler stage: the socket loop around `Scheduler` and `BlockManager`.
 
-Requests arrive from tokenizer replicas over a ROUTER socket (replies go back to the
-replica that sent them); one step at a time goes to the executor and its sampled
+Requests arrive from gateways over a ROUTER socket (each gateway's DEALER, identity
+"gateway-<instance>", carries its requests, aborts and stops in order, and its
+GatewayBeats), and each step's tokens go straight back to the gateway that sent the
+request, one StepDeltas frame per gateway per step; one step at a time goes to the executor and its sampled
 tokens come back. With async scheduling (the default) the step after is built and
 sent while the executor runs one (`Scheduler.schedule_ahead`), so it starts the next
 step as soon as it is done instead of waiting for a round trip; at most two steps
@@ -24,12 +26,19 @@ A request whose own handling raises fails alone: it gets a RequestError 500, its
 blocks are freed and the loop goes on (see `Scheduler.take_failed`); so does one whose
 row of a step the executor failed alone (`StepResult.failed`: 400 when its own
 constraints leave no token, else 500), while the step's other rows apply. Replies to a
-replica whose queue is full wait in an `Outbox` and hold that replica's requests; a
-replica stuck past STALL_TIMEOUT_S has its requests failed (503) and freed.
+gateway whose queue is full wait in an `Outbox` and hold that gateway's requests; a
+gateway stuck past STALL_TIMEOUT_S has its requests failed (503) and freed. A gateway
+silent (no beat, nothing) for GATEWAY_LOST_AFTER_S is lost (`gateway_watch`): its
+requests are aborted and freed, with no reply. Nor does an abort from a gateway get one:
+the gateway ends that stream itself. Since a request and its abort come on one pipe in
+order, an abort for a request the scheduler does not know is for one that ended already.
 
-While a dashboard watches (a `WatchPool` subscription, passed on by a tokenizer
-replica and renewed by the gateway), a `PoolSnapshot` goes to the gateway on the
-status channel every interval; none is built or sent otherwise.
+A TokenizedRequest with output_token_ids resumes a request another engine was running:
+it is admitted with that output (`Sequence.num_resumed_tokens`) and generates on after it.
+
+While a dashboard watches (a `WatchPool` subscription, renewed by the gateway), a
+`PoolSnapshot` goes to the gateway on the status channel every interval; none is built
+or sent otherwise.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from services.scheduler.gateway_watch import GATEWAY_LOST_AFTER_S, GatewayWatch
 from services.scheduler.host_block_pool import HostBlockPool
 from services.scheduler.kv_accounting import kv_usage
 from services.scheduler.options import WARMUP_FACTOR, fit_to_executor
@@ -63,18 +73,19 @@ from shared.messages import (
     ExecutorReady,
     ExecutorToScheduler,
     FinishRequest,
+    GatewayBeat,
+    GatewayToScheduler,
     RequestError,
     SchedulerHello,
     SchedulerStats,
     SchedulerToExecutor,
-    SchedulerToTokenizer,
+    SchedulerToGateway,
     StatusToGateway,
     StepDeltas,
     StepFailed,
     StepResult,
     TokenDelta,
     TokenizedRequest,
-    TokenizerToScheduler,
     WatchPool,
 )
 from shared.options import from_args
@@ -84,8 +95,8 @@ log = logging.getLogger("pagedserve.scheduler")
 
 HELLO_INTERVAL_S = 0.5
 STATS_INTERVAL_S = 0.05  # heartbeats go out every 0.25 s: fresher stats would go unseen
-STALL_TIMEOUT_S = 30.0  # a replica that reads nothing for this long loses its requests
-BACKLOG_POLL_MS = 5  # how soon a replica's backlog is retried
+STALL_TIMEOUT_S = 30.0  # a gateway that reads nothing for this long loses its requests
+BACKLOG_POLL_MS = 5  # how soon a gateway's backlog is retried
 
 
 @dataclass(frozen=True)
@@ -104,7 +115,7 @@ class SchedulerService:
     def __init__(self, args: argparse.Namespace, ctx: zmq.Context):
         addr = Addresses.from_args(args)
         self.args = args
-        self.requests_in = RouterSocket(ctx, addr.scheduler_in, TokenizerToScheduler, SchedulerToTokenizer, bind=True)
+        self.requests_in = RouterSocket(ctx, addr.scheduler_in, GatewayToScheduler, SchedulerToGateway, bind=True)
         self.steps_out = PushSocket(ctx, addr.executor_in, SchedulerToExecutor, bind=True)
         self.results_in = PullSocket(ctx, addr.executor_out, ExecutorToScheduler, bind=True)
         self.scheduler: Scheduler | None = None
@@ -124,9 +135,9 @@ class SchedulerService:
             ctx, addr.status, "scheduler", scheduler_name(args.engine), self._state,
             lambda: self.stats, engine=args.engine,
         )
-        self.recently_aborted: dict[str, float] = {}  # request id -> when its abort came
         self.outbox = Outbox(self.requests_in, STALL_TIMEOUT_S)
-        self.replies: dict[bytes, list] = {}  # to each tokenizer replica, sent once the next step is out
+        self.gateways = GatewayWatch(GATEWAY_LOST_AFTER_S)
+        self.replies: dict[bytes, list] = {}  # to each gateway, sent once the next step is out
         self.watch = PoolWatch()
         # a gateway that stops reading leaves at most one subscription's snapshots (ttl / interval) queued
         self.snapshots_out = PushSocket(ctx, addr.status, StatusToGateway)
@@ -257,17 +268,15 @@ class SchedulerService:
             self._reply(peer, RequestError(request_id, 500, "internal error while serving this request",
                                            "internal_error"))
 
-    # --- messages from tokenizers -----------------------------------------------------
+    # --- messages from gateways -------------------------------------------------------
 
     def on_request(self, peer: bytes, msg: TokenizedRequest) -> None:
-        if self.recently_aborted.pop(msg.request_id, None) is not None:
-            self._reply(peer, TokenDelta(msg.request_id, [], len(msg.prompt_token_ids), "abort"))
-            return
         if self.scheduler is None:
             self.pending.append((peer, msg))
             return
         req = Sequence(msg.request_id, list(msg.prompt_token_ids), msg.params, frozenset(msg.eos_token_ids),
-                      msg.arrival_time, reply_to=peer, compiled_grammar=msg.compiled_grammar)
+                       msg.arrival_time, reply_to=peer, compiled_grammar=msg.compiled_grammar,
+                       output_token_ids=list(msg.output_token_ids), num_resumed_tokens=len(msg.output_token_ids))
         problem = self.scheduler.check_fits(req)
         if problem is None and msg.request_id in self.scheduler.groups:
             problem = f"request id {msg.request_id!r} is already in use"
@@ -277,27 +286,31 @@ class SchedulerService:
         self.scheduler.add_request(req)
 
     def on_end(self, msg: AbortRequest | FinishRequest) -> None:
-        """Aborts may come through any tokenizer replica, so the owner is told too."""
+        """End a request (or one sample): no reply, the gateway that sent it ends the stream
+        itself. A request still pending (no executor yet) is dropped."""
+        if self.scheduler is None:
+            self.pending = [(p, r) for p, r in self.pending if r.request_id != msg.request_id]
+            return
         reason = "abort" if isinstance(msg, AbortRequest) else msg.reason
         seq_index = msg.seq_index if isinstance(msg, FinishRequest) else None
-        req = self.scheduler.finish_request(msg.request_id, reason, seq_index) if self.scheduler else None
-        if req is not None:
-            owner, n_prompt = req.reply_to, req.num_prompt_tokens
-        else:
-            pending = [(p, r) for p, r in self.pending if r.request_id == msg.request_id]
-            self.pending = [(p, r) for p, r in self.pending if r.request_id != msg.request_id]
-            if not pending:
-                if reason == "abort":  # it may overtake its request through another replica
-                    self.recently_aborted[msg.request_id] = time.monotonic()
-                return
-            owner, n_prompt = pending[0][0], len(pending[0][1].prompt_token_ids)
-        if reason == "abort":
-            self._reply(owner, TokenDelta(msg.request_id, [], n_prompt, "abort"))
+        self.scheduler.finish_request(msg.request_id, reason, seq_index)
 
-    def _forget_old_aborts(self, max_age_s: float = 60.0) -> None:
-        if self.recently_aborted:
-            now = time.monotonic()
-            self.recently_aborted = {k: t for k, t in self.recently_aborted.items() if now - t < max_age_s}
+    def _abort_lost_gateways(self) -> None:
+        """The requests of gateways silent past GATEWAY_LOST_AFTER_S end ("abort", blocks
+        freed, no reply): nobody reads them."""
+        for peer in self.gateways.expired():
+            owned = [rid for rid, group in self.scheduler.groups.items() if group.reply_to == peer] \
+                if self.scheduler is not None else []
+            pending = sum(1 for p, _ in self.pending if p == peer)
+            if not owned and not pending:
+                continue
+            log.warning("gateway %r silent for over %.0f s: aborting its %d requests", peer,
+                        self.gateways.lost_after_s, len(owned) + pending)
+            for rid in owned:
+                self.scheduler.finish_request(rid, "abort")
+            self.pending = [(p, r) for p, r in self.pending if p != peer]
+            self.outbox.drop(peer)
+            self.replies.pop(peer, None)
 
     def _reply(self, peer: bytes, msg) -> None:
         """Queued until `_flush_replies`, which runs once the next step is on its way: the
@@ -305,7 +318,7 @@ class SchedulerService:
         self.replies.setdefault(peer, []).append(msg)
 
     def _send_replies(self) -> None:
-        """The queued replies, in order; each run of TokenDeltas to a replica as one StepDeltas."""
+        """The queued replies, in order; each run of TokenDeltas to a gateway as one StepDeltas."""
         for peer, msgs in self.replies.items():
             run: list[TokenDelta] = []
             for msg in [*msgs, None]:
@@ -320,7 +333,7 @@ class SchedulerService:
         self.replies.clear()
 
     def _flush_replies(self) -> None:
-        """Send the queued replies, retry backlogs; hold the requests of replicas that have one;
+        """Send the queued replies, retry backlogs; hold the requests of gateways that have one;
         fail the stuck."""
         self._send_replies()
         self.outbox.flush()
@@ -329,12 +342,12 @@ class SchedulerService:
         self.scheduler.held = self.outbox.held
         for peer in self.outbox.stalled():
             owned = [rid for rid, group in self.scheduler.groups.items() if group.reply_to == peer]
-            log.error("tokenizer replica %r has read nothing for %.0f s (%d replies waiting): failing its %d requests",
+            log.error("gateway %r has read nothing for %.0f s (%d replies waiting): failing its %d requests",
                       peer, STALL_TIMEOUT_S, self.outbox.backlog(peer), len(owned))
             for rid in owned:
                 self.scheduler.finish_request(rid, "error")
-                self._reply(peer, RequestError(rid, 503, "the tokenizer replica serving this request stopped "
-                                                         "reading; the request was ended", "service_unavailable"))
+                self._reply(peer, RequestError(rid, 503, "the gateway serving this request stopped reading; "
+                                                         "the request was ended", "service_unavailable"))
         self._send_replies()
 
     def _check_step_deadline(self) -> None:
@@ -375,9 +388,12 @@ class SchedulerService:
                 idle_ms = min(idle_ms, int(self.watch.interval_s * 1000))
             ready = wait_readable([self.requests_in, self.results_in], 0 if can_step and not stalled else idle_ms)
             stalled = stalled and not ready
-            self._forget_old_aborts()
             if self.requests_in in ready:
-                for peer, msg in self.requests_in.recv_nowait():
+                received = self.requests_in.recv_nowait()
+                self.gateways.heard(peer for peer, _ in received)
+                for peer, msg in received:
+                    if isinstance(msg, GatewayBeat):
+                        continue  # heard: that is all a beat says
                     try:
                         if isinstance(msg, TokenizedRequest):
                             self.on_request(peer, msg)
@@ -390,6 +406,8 @@ class SchedulerService:
                             log.exception("dashboard subscription failed")
                         else:
                             self._fail(msg.request_id, peer, exc)
+            if self.gateways.due():
+                self._abort_lost_gateways()
             if self.results_in in ready:
                 for msg in self.results_in.recv_nowait():
                     if isinstance(msg, ExecutorReady):

@@ -1,4 +1,4 @@
-"""What the scheduler accepts from a tokenizer: every number in a range its arithmetic survives.
+"""What the scheduler accepts from a gateway: every number in a range its arithmetic survives.
 
 The gateway validates requests for the API; this is the scheduler's own guard, so a
 peer that skips the gateway (or a bug in it) cannot hand the scheduler a request
@@ -15,6 +15,9 @@ to sample (`constraints_problem`), each a 400 naming the fields:
   changes what a request asked for);
 - `allowed_token_ids` all masked by `min_tokens` > 0 (every one an EOS or stop token
   id), or all one-token `bad_words`, or outside the vocabulary.
+A resumed request (its output so far given, `resume_problem`) must be one plain sequence
+(n == 1, no beam search) whose output is token ids, shorter than max_tokens and, with
+the prompt, shorter than the context: else a 400 naming what is wrong.
 What admission cannot see (a grammar whose every path needs a bad word, say) fails at
 run time, that request alone, with a 400 from the executor (`StepResult.failed`).
 """
@@ -130,3 +133,22 @@ def request_problem(prompt_token_ids: list[int], params: SamplingParams, arrival
     if not math.isfinite(arrival_time):
         return "arrival_time must be a finite number"
     return params_problem(params) or constraints_problem(params, eos_token_ids, vocab_size)
+
+
+def resume_problem(prompt_len: int, output_token_ids: list[int], params: SamplingParams, max_model_len: int,
+                   vocab_size: int = 0) -> str | None:
+    """Why a request cannot resume after this output (its sequence's so far), or None."""
+    if not output_token_ids:
+        return None
+    if params.n != 1 or params.use_beam_search:
+        return "only a request of one sequence (n == 1, no beam search) can be resumed from its output"
+    top = token_limit(vocab_size)
+    if any(not 0 <= t <= top for t in output_token_ids):
+        return f"the resumed output holds a token id outside the vocabulary (0 to {top})"
+    if params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
+        return (f"the resumed output ({len(output_token_ids)} tokens) leaves nothing to generate within "
+                f"max_tokens ({params.max_tokens})")
+    if prompt_len + len(output_token_ids) >= max_model_len:
+        return (f"prompt ({prompt_len} tokens) plus the resumed output ({len(output_token_ids)} tokens) leaves "
+                f"nothing to generate within the maximum context length of {max_model_len} tokens")
+    return None
