@@ -29,7 +29,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def smollm2_server(tmp_path_factory):
     # float32 and no int4 copies: the engine must then equal transformers token for token
-    # (the int4 path is held to a stated tolerance in tests/test_cpu_fast_path.py)
+    # (the int4 path is held to a stated tolerance in tests/executor/test_cpu_fast_path.py)
     with ServerProcess("smollm2", tmp_path_factory.mktemp("smollm2"), ["--dtype", "float32", "--quantization", "none"]) as server:
         yield server
 

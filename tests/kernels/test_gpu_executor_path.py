@@ -14,7 +14,7 @@ from services.executor.gpu_memory import kv_cache_budget, profile_step
 from services.executor.model_runner import ModelRunner
 from services.stage_options import add_stage_args
 from shared.config import Addresses
-from tests.test_model_runner import make_model
+from tests.executor.test_model_runner import make_model
 
 GiB = 1 << 30
 

@@ -12,8 +12,8 @@ from kernels.triton_backend import TRITON, paged_attention  # noqa: E402
 from services.executor.cuda_graphs import DecodeGraphs  # noqa: E402
 from services.executor.model_runner import ModelRunner  # noqa: E402
 from shared.messages import ExecuteStep  # noqa: E402
+from tests.executor.test_model_runner import BLOCK, Driver, make_model, prompts  # noqa: E402
 from tests.kernels.paged_batch import INTERPRETED, assert_close, build, reference, runnable  # noqa: E402
-from tests.test_model_runner import BLOCK, Driver, make_model, prompts  # noqa: E402
 
 pytestmark = runnable
 

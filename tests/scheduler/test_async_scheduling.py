@@ -18,7 +18,7 @@ from services.executor.previous_tokens import PreviousTokens
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.messages import PREVIOUS_TOKEN, ExecuteStep, ScheduledSeq, SeqSampling, StepResult
-from tests.test_scheduler import (
+from tests.scheduler.test_scheduler import (
     FakeExecutor,
     apply_result,
     check_random_run,

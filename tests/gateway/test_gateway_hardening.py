@@ -12,7 +12,7 @@ from services.gateway.admission import Admission
 from services.gateway.engine_client import EngineError
 from services.gateway.watchdog import StageWatchdog
 from shared.messages import AbortRequest, GenerateRequest, Heartbeat, SamplingParams, TokenDelta
-from tests.engine_stand_ins import started, stopped
+from tests.gateway.engine_stand_ins import started, stopped
 
 TWO = SamplingParams(max_tokens=8, temperature=0, n=2)
 X = 87  # a token id of SmolLM2's vocabulary

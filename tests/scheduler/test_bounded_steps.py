@@ -15,7 +15,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence
 from shared.messages import PREVIOUS_TOKEN, ExecuteStep, SamplingParams, SchedulerToExecutor
-from tests.test_scheduler import EOS, FakeExecutor, reference_beam_search, reference_output
+from tests.scheduler.test_scheduler import EOS, FakeExecutor, reference_beam_search, reference_output
 
 ENCODER = msgspec.msgpack.Encoder()
 DECODER = msgspec.msgpack.Decoder(SchedulerToExecutor)
@@ -231,7 +231,7 @@ def test_steps_built_ahead_carry_no_state_twice():
 
 
 def test_steps_built_ahead_keep_the_executor_state_right():
-    from tests.test_async_scheduling import run_pipelined
+    from tests.scheduler.test_async_scheduling import run_pipelined
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64), BlockManager(48, 4))
     params = [SamplingParams(max_tokens=9, ignore_eos=True, n=2, seed=4, allowed_token_ids=list(range(3, 200))),

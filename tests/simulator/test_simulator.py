@@ -4,7 +4,6 @@ short run through the command line that must rank the policies as the paper does
 import json
 import random
 import statistics
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +14,9 @@ from services.simulator.engine import SimConfig, simulate
 from services.simulator.step_time import StepTimeModel
 from services.simulator.workload import DATA_FILE, TraceRequest, load_histograms, make_trace
 from shared.messages import SamplingParams
+from tests.helpers import ROOT
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / DATA_FILE.name
+SHARED_DATA = ROOT.parent / "shared" / "data" / DATA_FILE.name
 
 
 @pytest.mark.skipif(not SHARED_DATA.exists(), reason="no shared/data beside the repository")

@@ -22,7 +22,7 @@ from shared.messages import (
     SamplingParams,
     TokenDelta,
 )
-from tests.engine_stand_ins import EOS, started, stopped
+from tests.gateway.engine_stand_ins import EOS, started, stopped
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
 

@@ -1,6 +1,6 @@
 """Tensor parallelism (issue 12) over gloo on the CPU, with real processes.
 
-- Logits: a TP=2 ModelRunner (two rank processes, `tests.tp_ranks`, the followers in
+- Logits: a TP=2 ModelRunner (two rank processes, `tests.executor.tp_ranks`, the followers in
   the executor stage's own loop) against TP=1 in this process, float32, no quantization:
   every step's logits within 1e-4 and the greedy tokens equal, for the tiny random Llama
   (4 heads, 2 KV heads: one KV group per rank) and for SmolLM2 (9 heads, 3 KV heads:
@@ -35,12 +35,12 @@ from services.launcher import Supervisor
 from shared.ports import free_port
 from tests.conftest import needs_smollm2
 from tests.e2e.load import dumps, greedy, prompts, run_load
+from tests.executor.tp_ranks import drive, make_runner
 from tests.helpers import ROOT, ServerProcess
-from tests.test_launcher import BASE_S, CAP_S, SLEEPER, wait_for
-from tests.tp_ranks import drive, make_runner
+from tests.launcher.test_launcher import BASE_S, CAP_S, SLEEPER, wait_for
 
 TOLERANCE = 1e-4
-LOGIT_TOLERANCE = 1.0  # quantized (int4, bfloat16 activations): as tests/test_cpu_fast_path.py
+LOGIT_TOLERANCE = 1.0  # quantized (int4, bfloat16 activations): as tests/executor/test_cpu_fast_path.py
 MAX_TOKENS = 8
 
 
@@ -68,7 +68,7 @@ def stop_ranks(procs: list[subprocess.Popen]) -> None:
 
 def run_tp2(model: str, prompt_ids: list[list[int]], out, extra: tuple[str, ...] = ()) -> dict:
     init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_ranks", "--model", model, "--rank", str(rank),
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.executor.tp_ranks", "--model", model, "--rank", str(rank),
                                "--size", "2", "--init", init, "--prompts", json.dumps(prompt_ids),
                                "--max-tokens", str(MAX_TOKENS), "--out", str(out), *extra], cwd=ROOT)
              for rank in range(2)]
@@ -124,7 +124,7 @@ def test_smollm2_int4_copies_per_shard(tmp_path):
     their int4 (decoder) and int8 (head) copies, and used on every step they stay within the
     CPU fast path's stated tolerance of TP 1's quantized logits (the int4 kernel rounds its
     output to bfloat16, and the row-parallel layers round each rank's partial sum, so the
-    two differ by bfloat16 rounding, not by 1e-4; tests/test_cpu_fast_path.py)."""
+    two differ by bfloat16 rounding, not by 1e-4; tests/executor/test_cpu_fast_path.py)."""
     model, prompt_ids = smollm2_prompts()
     got = run_tp2(model, prompt_ids, tmp_path / "int4.pt", ("--quantization", "auto", "--int4-max-rows", "256"))
     assert got["int4"] and got["int8_head"]

@@ -37,8 +37,8 @@ from shared.messages import (  # noqa: E402
     TokenizerToGateway,
 )
 from shared.transport import PullSocket, RouterSocket  # noqa: E402
+from tests.helpers import ROOT  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 49152
 JSON = StructuredOutput("json")
 
@@ -164,7 +164,7 @@ class _Replica:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "stage", "tokenizer", "--model", "smollm2", "--replica", "tok-g",
              *extra, *self.addrs.as_argv()],
-            cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=self.log, stderr=subprocess.STDOUT)
+            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=self.log, stderr=subprocess.STDOUT)
         self.wait(lambda: any(state == "ready" for _, state in self.beats), 120)
 
     def pump(self) -> None:

@@ -1,6 +1,6 @@
-"""One rank of a tensor-parallel ModelRunner, as its own process, for tests/test_tensor_parallel.py.
+"""One rank of a tensor-parallel ModelRunner, as its own process, for tests/executor/test_tensor_parallel.py.
 
-    python -m tests.tp_ranks --model DIR --rank R --size N --init tcp://127.0.0.1:PORT --prompts JSON --out FILE
+    python -m tests.executor.tp_ranks --model DIR --rank R --size N --init tcp://127.0.0.1:PORT --prompts JSON --out FILE
 
 Rank 0 drives greedy decoding of the prompts (one prefill step of all of them, then
 decode steps of all together), handing each step to the other ranks through the

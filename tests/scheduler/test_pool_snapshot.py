@@ -26,7 +26,7 @@ from shared.messages import (
     StatusToGateway,
     WatchPool,
 )
-from tests.test_scheduler import FakeExecutor, make, run_until_done
+from tests.scheduler.test_scheduler import FakeExecutor, make, run_until_done
 
 
 def decoded(snap: PoolSnapshot) -> dict[str, list[int]]:

@@ -11,7 +11,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence
 from shared.messages import SamplingParams, TokenLogprob
-from tests.test_scheduler import FakeExecutor
+from tests.scheduler.test_scheduler import FakeExecutor
 
 EOS = 2
 

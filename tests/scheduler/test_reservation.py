@@ -10,7 +10,7 @@ from services.scheduler.reservation import ReservingAllocator, make_allocator, n
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence
 from shared.messages import SamplingParams
-from tests.test_scheduler import make, reference_beam_search, reference_output, run_until_done
+from tests.scheduler.test_scheduler import make, reference_beam_search, reference_output, run_until_done
 
 
 def req(rid, prompt_len, max_tokens, n=1):

