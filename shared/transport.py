@@ -376,9 +376,13 @@ class AsyncDealerSocket(AsyncPullSocket[T]):
         """False when the peer's queue is full (the message is dropped: the caller decides)."""
         try:
             self.sock.send(_encoder.encode(msg), zmq.NOBLOCK, copy=False)
-            return True
         except zmq.Again:
             return False
+        # The descriptor is edge-triggered and a send may take the edge that said frames
+        # came in: look, and drain them now, or they would wait for the next frame.
+        if self._loop is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._loop.call_soon(self._drain)
+        return True
 
 
 def wait_readable(sockets: list[_Typed], timeout_ms: int) -> list[_Typed]:

@@ -12,7 +12,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from shared.messages import RequestError, TokenizerToGateway
+from shared.messages import AbortRequest, RequestError, TokenizerToGateway
 from shared.transport import AsyncPullSocket, PushSocket
 
 
@@ -103,3 +103,38 @@ def test_a_cancelled_recv_loses_nothing(addr):
         return got
 
     assert [m.request_id for m in _run(main())] == ["r1", "r2"]
+
+
+def test_a_dealer_that_sends_while_frames_wait_still_reads_them(addr):
+    """The descriptor is edge-triggered: a send that takes the edge of frames already queued
+    must not leave them unread until another frame comes (the gateway's link to a scheduler
+    sends requests and aborts while that scheduler's deltas arrive)."""
+    import time
+
+    from shared.messages import GatewayToScheduler, SchedulerToGateway, TokenDelta
+    from shared.transport import AsyncDealerSocket, RouterSocket
+
+    async def main():
+        actx, ctx = zmq.asyncio.Context(), zmq.Context()
+        router = RouterSocket(ctx, addr, GatewayToScheduler, SchedulerToGateway)
+        dealer = AsyncDealerSocket(actx, addr, SchedulerToGateway, identity="gateway-x")
+        got = []
+        for i in range(20):
+            dealer.send_nowait(AbortRequest(f"hello-{i}"))
+            for _ in range(100):
+                peers = router.recv_nowait()
+                if peers:
+                    break
+                await asyncio.sleep(0.01)
+            router.send(peers[0][0], TokenDelta(f"r{i}", [i], 1))
+            time.sleep(0.02)  # the frame is queued while the loop is busy...
+            dealer.send_nowait(AbortRequest(f"after-{i}"))  # ... and a send takes its edge
+            got.append(await asyncio.wait_for(dealer.recv(), 2))
+        router.recv_nowait()
+        for s in (dealer, router):
+            s.close()
+        actx.destroy(linger=0)
+        ctx.destroy(linger=0)
+        return got
+
+    assert [m.request_id for m in _run(main())] == [f"r{i}" for i in range(20)]
