@@ -33,7 +33,8 @@ use. The gateway knows its own requests in flight exactly, held ones included, a
 moment (so a burst does not all land on the engine that looked idle a moment ago); each
 live engine's figures (EngineLoads, from the schedulers' heartbeats) come a few times a
 second, and what they count beyond this gateway's requests (another gateway's work) is
-added as it was at the latest report. One prefix map serves every tokenizer replica.
+added as it was at the latest report (less this gateway's requests that ended in the last
+REPORT_LAG_S, which a report may still count). One prefix map serves every tokenizer replica.
 
 Only engines in the latest report are live (one that dies or hangs is left out by the
 gateway); before any report every configured engine is. A request's later messages go to
@@ -53,7 +54,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 
 import msgspec
@@ -68,6 +69,7 @@ LOAD_RATIO = 1.5
 LOAD_SLACK = 8.0  # requests: below this imbalance a spill's cold prefill costs more than it saves
 KV_WEIGHT = 4.0  # a full KV pool weighs as much as this many requests
 HOLD_MAX_S = 10.0  # the longest a request waits for the prefill of a prefix it shares
+REPORT_LAG_S = 0.5  # how old an engine's load report may be (two heartbeats)
 
 
 class EngineLoad(msgspec.Struct):
@@ -108,6 +110,7 @@ class EngineRouter:
         self._others: dict[str, float] = {}  # engine -> its requests not from this gateway, at the latest report
         self._kv_usage: dict[str, float] = {}
         self._in_flight: Counter[str] = Counter()  # this gateway's requests, by engine
+        self._released: dict[str, deque[float]] = {}  # engine -> when this gateway's requests there ended lately
         self._owner: dict[str, str] = {}  # request id -> engine
         # block hash -> {engine holding it: the request warming it there, or None once prefilled}
         self._prefixes: OrderedDict[bytes, dict[str, str | None]] = OrderedDict()
@@ -133,7 +136,14 @@ class EngineRouter:
                 self._instances[e.engine] = e.instance
         for engine in known - set(self.live):
             self.forget(engine, "not serving")
-        self._others = {e.engine: max(0.0, e.num_running + e.num_waiting - self._in_flight[e.engine]) for e in live}
+        # A report is up to a heartbeat old: it may still count requests this gateway has
+        # released since, which are not another gateway's load.
+        now = self.clock()
+        for released in self._released.values():
+            while released and now - released[0] > REPORT_LAG_S:
+                released.popleft()
+        self._others = {e.engine: max(0.0, e.num_running + e.num_waiting - self._in_flight[e.engine]
+                                      - len(self._released.get(e.engine, ()))) for e in live}
         self._kv_usage = {e.engine: e.kv_usage for e in live}
         if live:
             self.block_size = live[0].block_size
@@ -193,6 +203,8 @@ class EngineRouter:
                 self.prefix_routed += 1
                 return best
             self.spilled += 1
+            log.info("request spills from %s (load %.1f) to %s (load %.1f)", best, self.load(best), least,
+                     self.load(least))
             return least
         return least
 
@@ -274,6 +286,7 @@ class EngineRouter:
             self._in_flight[engine] -= 1
             if not self._in_flight[engine]:
                 del self._in_flight[engine]
+            self._released.setdefault(engine, deque()).append(self.clock())
 
     def owned(self) -> list[str]:
         return list(self._owner)

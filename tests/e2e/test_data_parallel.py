@@ -4,7 +4,7 @@
 one request per system prompt, then the other 60 at once, to two engines with prefix-aware
 routing and to one engine: neither engine gets more than 70% of the requests, every output
 equals the single engine's, and the two engines' prefix-cache hit rate is at least the
-single engine's (read once the engines' heartbeats have counted every prompt: /metrics
+single engine's, less one cold prefill per request the load cap spilled (at most 2) (read once the engines' heartbeats have counted every prompt: /metrics
 lags the last requests by a heartbeat). A cold system prompt sent 48 times at once spills
 to the second engine under the load cap, at the cost of one cold prefill there (the
 requests after the first on each engine wait for its prefill, so they hit). Then one
@@ -87,6 +87,12 @@ def hit_rate(server, before: dict, prompt_tokens: int, timeout: float = 20.0) ->
         time.sleep(0.2)
 
 
+def routing_log(server) -> str:
+    """The router's spills and forgotten engines, from the server's log (for a failure's message)."""
+    return "\n".join(line for line in server.log_path.read_text(errors="replace").splitlines()
+                     if "spills" in line or "forgetting" in line)
+
+
 def routed(server) -> dict[str, float]:
     m = server.metrics()
     return {k: v for k, v in m.items() if k.startswith("pagedserve_engine_requests_routed_total{")}
@@ -103,7 +109,13 @@ def test_prefix_routing_keeps_the_hit_rate_spreads_the_load_and_changes_no_outpu
     single_rate = hit_rate(single, before[0], 64 * PROMPT_TOKENS)
     dp_rate = hit_rate(dp, before[1], 64 * PROMPT_TOKENS)
     assert single_rate > 0.5  # the waves make 60 of 64 requests find their system prompt cached
-    assert dp_rate >= single_rate, (dp_rate, single_rate)
+    # The load cap may spill a request when one engine drains faster than the other (the CPU
+    # is shared with the gateway and both executors): each spill costs one cold prefill of
+    # its system prompt on the other engine, and no more.
+    spills = routing_log(dp).count("spills")
+    assert spills <= 2, routing_log(dp)
+    assert dp_rate >= single_rate - spills * SYSTEM_TOKENS / (64 * PROMPT_TOKENS), (dp_rate, single_rate,
+                                                                                   routing_log(dp))
     counts = routed(dp)
     assert len(counts) == 2 and sum(counts.values()) == 64, counts
     assert max(counts.values()) <= 0.7 * 64, counts
@@ -183,4 +195,4 @@ def test_an_engine_killed_under_load_loses_no_request(servers):
     assert [(s, ids) for s, ids, _text, error, done in streamed] == [(s, ids) for s, ids, _text in want], \
         dumps(streamed) + dp.log()
     assert all(error is None and done for *_, error, done in streamed), dumps(streamed)
-    assert "sending the request again" in dp.log()
+    assert "lost; resuming" in dp.log()

@@ -368,3 +368,21 @@ def test_invariants_hold_under_random_operations(ops, policy, max_prefixes):
             sent.add(rid)
         router.check_invariants()
     assert all(router.held(rid) for rid in router.owned() if rid not in sent)
+
+
+def test_a_report_that_still_counts_requests_that_just_ended_adds_no_load():
+    """Heartbeats lag: a report made before this gateway's requests ended still counts them,
+    which must not read as another gateway's load (a cold burst would then not spill)."""
+    now = [0.0]
+    router = EngineRouter(ENGINES, "least-loaded", clock=lambda: now[0])
+    for i in range(20):
+        router.route(f"a{i}", [i])
+    for rid in list(router.owned()):
+        router.release(rid)
+    now[0] = 0.2
+    router.update(EngineLoads([EngineLoad("engine-0", 10, 0), EngineLoad("engine-1", 10, 0)]))  # before they ended
+    assert router.load("engine-0") == router.load("engine-1") == 0
+    now[0] = 1.0  # a later report counting the same 10 requests is someone else's work
+    router.update(EngineLoads([EngineLoad("engine-0", 10, 0), EngineLoad("engine-1", 0, 0)]))
+    assert router.load("engine-0") == 10 and router.route("b", [1]) == "engine-1"
+    router.check_invariants()
