@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+
+# Triton kernels run in Triton's CPU interpreter unless TRITON_INTERPRET=0 (a GPU run). Triton
+# reads the variable when a kernel module is imported, and tests of other folders (the
+# executor's) import one before tests/kernels does: set it before any test module loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path
 
 import pytest

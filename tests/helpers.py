@@ -103,6 +103,22 @@ class ServerProcess:
         self._log.close()
 
 
+def executor_args_from_launcher(argv: list[str]):
+    """The executor stage's parsed options, as `pagedserve serve argv` would start it."""
+    import argparse
+
+    from services import launcher
+    from services.stage_options import add_stage_args
+    from shared.config import Addresses
+
+    parser = argparse.ArgumentParser()
+    launcher.add_args(parser)
+    cmd = launcher.stage_commands(parser.parse_args(argv), Addresses.ipc("/tmp/run"))["executor"]
+    executor = argparse.ArgumentParser()
+    add_stage_args(executor, "executor")
+    return executor.parse_args(cmd[cmd.index("executor") + 1 :])
+
+
 def stage_pid(url: str, stage: str, headers: dict | None = None) -> int:
     status, body = get(url + "/health", headers=headers)
     replicas = [r for r in json.loads(body)["stages"][stage] if r["ready"]]

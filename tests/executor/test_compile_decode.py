@@ -13,20 +13,16 @@ inductor's cache holds them). The custom ops' fake implementations are checked b
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kernels.cpu.build import load
-from services import launcher
 from services.executor.compiled_decode import CompiledDecode
 from services.executor.model_runner import ModelRunner
-from services.stage_options import add_stage_args
-from shared.config import Addresses
 from shared.messages import ExecuteStep, ScheduledSeq, SeqSampling
+from tests.helpers import executor_args_from_launcher
 
 GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
 BLOCK = 8
@@ -132,13 +128,5 @@ def test_cpu_kernel_ops_fake_implementations():
 
 
 def test_the_launcher_passes_compile_to_the_executor_and_it_stays_off_by_default():
-    def executor_args(argv: list[str]) -> argparse.Namespace:
-        parser = argparse.ArgumentParser()
-        launcher.add_args(parser)
-        cmd = launcher.stage_commands(parser.parse_args(argv), Addresses.ipc("/tmp/run"))["executor"]
-        executor = argparse.ArgumentParser()
-        add_stage_args(executor, "executor")
-        return executor.parse_args(cmd[cmd.index("executor") + 1 :])
-
-    assert executor_args(["--compile"]).compile_decode
-    assert not executor_args([]).compile_decode
+    assert executor_args_from_launcher(["--compile"]).compile_decode
+    assert not executor_args_from_launcher([]).compile_decode

@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
-from services import launcher
 from services.executor.batch import BatchMetadata
 from services.executor.cuda_graphs import capture_sizes
 from services.executor.gpu_memory import kv_cache_budget, profile_step
 from services.executor.model_runner import ModelRunner
-from services.stage_options import add_stage_args
-from shared.config import Addresses
 from tests.executor.test_model_runner import make_model
+from tests.helpers import executor_args_from_launcher
 
 GiB = 1 << 30
-
-
-def executor_args_from_launcher(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    launcher.add_args(parser)
-    cmd = launcher.stage_commands(parser.parse_args(argv), Addresses.ipc("/tmp/run"))["executor"]
-    executor = argparse.ArgumentParser()
-    add_stage_args(executor, "executor")
-    return executor.parse_args(cmd[cmd.index("executor") + 1 :])
 
 
 def test_launcher_passes_gpu_options_to_the_executor():
