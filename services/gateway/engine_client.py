@@ -414,7 +414,7 @@ class RequestStream:
         if self.text.done:
             self.done = True
             self.stop()
-        return msgspec.structs.replace(delta, request_id=self.request_id)
+        return delta  # RequestText names the client's request id, whichever run the tokens came from
 
     async def _retry(self, retry: _Retry) -> None:
         if self.attempt + 1 >= MAX_ATTEMPTS:
