@@ -33,7 +33,7 @@ from shared import cpu_placement
 torch.set_num_threads(2)
 torch.mm(torch.randn(256, 256), torch.randn(256, 256))  # the OpenMP team starts its workers
 stop = threading.Event()
-helper = threading.Thread(target=stop.wait)
+helper = threading.Thread(target=stop.wait, daemon=True)  # daemon: a failure below never hangs the exit
 helper.start()
 kept = cpu_placement.keep_core_for_main_thread()
 late = {}
@@ -42,7 +42,13 @@ def later():
     late["cpus"] = sorted(os.sched_getaffinity(0))
 t = threading.Thread(target=later); t.start(); t.join()
 main = threading.get_native_id()
-others = {int(tid): sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task") if int(tid) != main}
+others = {}
+for tid in os.listdir("/proc/self/task"):
+    try:
+        if int(tid) != main:
+            others[int(tid)] = sorted(os.sched_getaffinity(int(tid)))
+    except ProcessLookupError:
+        pass  # a thread that ended while listed (the joined one above may linger a moment)
 torch.mm(torch.randn(256, 256), torch.randn(256, 256))  # the team still runs
 stop.set(); helper.join()
 print(json.dumps({"kept": [kept[0], sorted(kept[1]), kept[2]], "main": sorted(os.sched_getaffinity(0)),
