@@ -3,7 +3,7 @@
 `pagedserve serve` on the tiny model, driven with the openai SDK: requests as the API's
 default makes them (temperature 1, no seed), n = 2, whole and streamed, while one stage is
 killed (kill -9) mid-generation: the tokenizer replica (the requests already tokenized go on
-without it; requests sent meanwhile wait for the restarted one), the scheduler (the gateway
+without it; new ones are served once it is back), the scheduler (the gateway
 resumes every choice from the tokens its client has) or the executor (the scheduler
 recomputes). Every choice must end as an undisturbed one would: exactly max_tokens tokens,
 finish_reason "length", no error, and text that is exactly the decoding of its token ids (the
@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, get
 
 openai = pytest.importorskip("openai")
 
@@ -73,14 +73,18 @@ def check(choices: list[tuple], tokenizer) -> None:
         assert text == tokenizer.decode(ids)  # each token shown once, in order
 
 
-def stage_pid(server, stage: str) -> int:
-    deadline = time.monotonic() + 60
+def stage_pid(server, stage: str, not_pid: int | None = None) -> int:
+    """The ready stage's pid, once there is one (other than not_pid) and /health is 200."""
+    deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         try:
-            return server.stage_pid(stage)
+            pid = server.stage_pid(stage)
+            if pid != not_pid and get(server.url + "/health")[0] == 200:
+                return pid
         except (AssertionError, OSError, KeyError):
-            time.sleep(0.2)
-    raise AssertionError(f"no ready {stage}")
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"no ready {stage} other than {not_pid}")
 
 
 @pytest.mark.parametrize("stage", ["tokenizer", "scheduler", "executor"])
@@ -102,7 +106,8 @@ def test_a_sampled_unseeded_request_continues_across_kill_9(server, stage, words
             jobs = [streamed(client, sampled(words, f"stream {i}"), kill_mid_generation) for i in range(3)]
             jobs += [whole(client, sampled(words, f"whole {i}")) for i in range(3)]
             first = await asyncio.gather(*jobs)
-            # sent after the kill: they wait for the restarted stage (or go on without it)
+            # new requests get a 503 while a stage is down (admission): once it is back, they are served
+            await asyncio.to_thread(stage_pid, server, stage, victim)
             later = await asyncio.gather(*(whole(client, sampled(words, f"later {i}")) for i in range(2)))
             return first + later
         finally:
@@ -112,7 +117,7 @@ def test_a_sampled_unseeded_request_continues_across_kill_9(server, stage, words
     assert killed, "the stage was not killed mid-generation"
     for choices in results:
         check(choices, smollm2_tokenizer)
-    assert stage_pid(server, stage) != victim  # restarted by the launcher
+    assert stage_pid(server, stage, victim) != victim  # restarted by the launcher
     after = server.metrics()
     if stage == "scheduler":  # the gateway resumed the requests the dead scheduler had
         assert after["pagedserve_request_retries_total"] > before["pagedserve_request_retries_total"]
