@@ -175,7 +175,7 @@ class Stage:
     cmd: list[str]
     env: dict[str, str] | None = None
     nice: int = 0  # added to the process's niceness at start
-    cpus: set[int] | None = None  # the cores it may run on (None: those of the launcher)
+    cpus: set[int] | None = None  # the cores it moves to once ready (None: those of the launcher)
     proc: subprocess.Popen | None = None
     failures: int = 0  # deaths in a row, each after less than STABLE_S
     restarts_total: int = 0
@@ -184,16 +184,12 @@ class Stage:
     delays: list[float] = field(default_factory=list)  # backoffs chosen, the latest few
 
     def start(self) -> None:
-        nice, cpus = self.nice, self.cpus
-
-        def placed() -> None:
-            if nice:
-                os.nice(nice)
-            if cpus is not None:
-                os.sched_setaffinity(0, cpus)
-
-        self.proc = subprocess.Popen(self.cmd, start_new_session=False, env=self.env,
-                                     preexec_fn=placed if nice or cpus is not None else None)
+        nice = self.nice
+        env = self.env
+        if self.cpus is not None:  # the stage moves there itself once ready (shared.cpu_placement.settle)
+            env = {**(env if env is not None else os.environ), **cpu_placement.stage_cpus_env(self.cpus)}
+        self.proc = subprocess.Popen(self.cmd, start_new_session=False, env=env,
+                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
         self.restart_at = None
         self.starts = self.starts[-63:] + [time.monotonic()]
         log.info("started %s (pid %d)", self.name, self.proc.pid)

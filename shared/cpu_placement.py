@@ -18,12 +18,20 @@ steps 5-19% shorter.
 `serve` applies it (its `--cpu-placement auto`) only where one engine of one rank runs
 on the CPU with at least two cores allowed: several executors on one host would all
 claim the same core.
+
+Placement starts once a stage is ready, not at its start: while the stages load
+(imports, tokenizer, weights) every core is free to all of them. Pinned from the start,
+the tokenizer, gateway and scheduler loaded on one core while the other idled once the
+executor had its weights: a tiny model's server was healthy after 14 s instead of 8.
+The launcher names a stage's cores in STAGE_CPUS_ENV; the stage calls `settle` when ready.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+
+STAGE_CPUS_ENV = "PAGEDSERVE_STAGE_CPUS"  # "1,2,3": the cores a stage moves to once ready
 
 _shared: set[int] | None = None  # the cores for every thread but the main one, once kept
 
@@ -35,6 +43,26 @@ def split(allowed: set[int] | None = None) -> tuple[int, set[int]] | None:
     if len(cpus) < 2:
         return None
     return cpus[0], set(cpus[1:])
+
+
+def stage_cpus_env(cpus: set[int]) -> dict[str, str]:
+    """The environment that tells a stage its cores."""
+    return {STAGE_CPUS_ENV: ",".join(map(str, sorted(cpus)))}
+
+
+def settle() -> set[int] | None:
+    """Move every thread of this process to the cores the launcher named for it (none
+    named: nothing moves); threads and processes started later inherit them."""
+    named = os.environ.get(STAGE_CPUS_ENV)
+    if not named:
+        return None
+    cpus = {int(c) for c in named.split(",")}
+    for name in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(name), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return cpus
 
 
 def keep_core_for_main_thread() -> tuple[int, set[int], int] | None:

@@ -36,6 +36,7 @@ from services.gateway.limits import RequestLimits
 from services.gateway.metrics import Metrics
 from services.gateway.supervision import SupervisionState
 from services.gateway.watchdog import CHECK_INTERVAL_S, StageWatchdog
+from shared import cpu_placement
 from shared.config import Addresses
 from shared.curve import CurveKeys, stage_keys
 from shared.heartbeat import HeartbeatThread
@@ -114,6 +115,7 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
     sync_ctx = configure(zmq.Context(), keys)  # the heartbeat thread needs a plain socket
     heartbeat = HeartbeatThread(sync_ctx, addrs.status, "gateway", f"gateway-{os.getpid()}", lambda: "ready")
     heartbeat.start()
+    cpu_placement.settle()
     log.info("serving %s on http://%s:%d%s", served, args.host, args.port,
              " (API key required)" if admission.api_key else "")
     try:

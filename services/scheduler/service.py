@@ -64,6 +64,7 @@ from services.scheduler.pool_watch import PoolWatch
 from services.scheduler.reservation import make_allocator
 from services.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence
+from shared import cpu_placement
 from shared.config import Addresses, BatchLimits
 from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
@@ -450,6 +451,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    cpu_placement.settle()
     log.info("scheduler up (pid %d) at %s", os.getpid(), args.scheduler_in)
     t0 = time.time()
     service.serve()

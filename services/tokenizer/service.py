@@ -27,7 +27,7 @@ from transformers import AutoConfig, GenerationConfig
 from services.tokenizer import grammar_pool
 from services.tokenizer.prompts import PromptBuilder
 from services.tokenizer.stage import TokenizerStage
-from shared import structured_output
+from shared import cpu_placement, structured_output
 from shared.config import Addresses
 from shared.curve import stage_keys
 from shared.heartbeat import HeartbeatThread
@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         from_gateway = DealerSocket(ctx, addrs.tokenizer_in, GatewayToTokenizer, identity=replica)
         log.info("%s ready: max_model_len=%d eos=%s", replica, prompts.max_model_len, eos)
         state = "ready"
+        cpu_placement.settle()
         progress.turned()
         _serve(stage, from_gateway, stop, progress)
     finally:

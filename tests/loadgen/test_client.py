@@ -21,7 +21,7 @@ def test_latencies_match_the_servers_delays(run_load, endpoint, usage_in_finish)
         out = run_load(server.url, requests(8, TOKENS), endpoint=endpoint)
         truth = server.timings
     assert all(r.ok for r in out.results), [r.error for r in out.results]
-    gaps, lags = [], []
+    first, gaps, lags = [], [], []
     for i, r in enumerate(out.results):
         assert r.output_tokens == TOKENS
         assert len(r.itl) == TOKENS - 1
@@ -32,13 +32,16 @@ def test_latencies_match_the_servers_delays(run_load, endpoint, usage_in_finish)
         # Against what the server really did (same clock): only the transit of a request and
         # a chunk over loopback lies between, even when a busy machine stalls the server.
         recv, sent = truth[f"prompt {i}"]["recv"], truth[f"prompt {i}"]["chunks"]
-        gaps.append(r.ttft - (sent[0] - recv))
+        # The first chunk's lag also holds the client's connection set-up, which 8 requests
+        # started at once on a busy 2-core host can stretch (43 ms seen): bounded loosely.
+        first.append(r.ttft - (sent[0] - recv))
         gaps += [client - (b - a) for client, a, b in zip(r.itl, sent, sent[1:], strict=False)]
         # no chunk is seen before it was sent (a chunk read late shortens the next gap, so
         # single gaps may be negative; arrival times, cumulative, may not)
         arrivals = r.ttft + np.concatenate([[0.0], np.cumsum(r.itl)])
         lags.extend(arrivals[: len(sent)] - (np.array(sent) - recv))
-    assert min(lags) > -0.005 and np.median(np.abs(gaps)) < 0.005 and np.percentile(np.abs(gaps), 95) < 0.03
+    assert min(lags) > -0.005 and max(first) < 0.25
+    assert np.median(np.abs(gaps)) < 0.005 and np.percentile(np.abs(gaps), 95) < 0.03
     s = summarize(out.results, out.duration_s)
     assert s["completed"] == 8 and s["failed"] == 0
     assert s["ttft_s"]["median"] >= TTFT and s["itl_s"]["median"] >= ITL * 0.9

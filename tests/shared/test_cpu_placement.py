@@ -92,8 +92,13 @@ def test_serve_places_only_one_engine_of_one_rank_on_the_cpu():
 
 
 @needs_two_cores
-def test_stages_given_cores_start_on_them():
-    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+def test_stages_given_cores_move_there_once_ready():
+    # A stage loads on every core, then settles (as the gateway, tokenizer and scheduler do
+    # once ready); the sleeper is "ready" once it has started a thread of its own.
+    ready = ("import threading, time; from shared import cpu_placement; "
+             "threading.Thread(target=time.sleep, args=(600,), daemon=True).start(); "
+             "cpu_placement.settle(); time.sleep(600)")
+    sleeper = [sys.executable, "-c", ready]
     sup = launcher.Supervisor({"gateway": sleeper, "executor": sleeper}, cpus={"gateway": set(ALLOWED[1:])})
     thread = threading.Thread(target=sup.run, daemon=True)
     thread.start()
@@ -103,8 +108,14 @@ def test_stages_given_cores_start_on_them():
             assert time.monotonic() < deadline
             time.sleep(0.02)
         gateway, executor = sup.stages
-        assert sorted(os.sched_getaffinity(gateway.proc.pid)) == ALLOWED[1:]
-        assert sorted(os.sched_getaffinity(executor.proc.pid)) == ALLOWED
+
+        def cores(pid: int) -> list[list[int]]:  # of each of its threads
+            return [sorted(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")]
+
+        while not (len(cores(gateway.proc.pid)) == 2 and cores(gateway.proc.pid) == [ALLOWED[1:]] * 2):
+            assert time.monotonic() < deadline, cores(gateway.proc.pid)
+            time.sleep(0.02)
+        assert cores(executor.proc.pid) == [ALLOWED] * len(cores(executor.proc.pid))  # no cores named: left alone
     finally:
         sup.stopping = True
         thread.join(30)

@@ -1,5 +1,6 @@
 // Python bindings of the CPU kernels (built by kernels/cpu/build.py with torch's extension tooling).
-#include "common.h"
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 namespace pagedserve {
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
