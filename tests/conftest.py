@@ -34,8 +34,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir, tmp_path_factory):
+    """One server with the tiny model for every module that only sends it requests (one per
+    pytest worker); a test that kills, stops or reconfigures stages starts its own."""
     with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("run"), ["--dtype", "float32", "--served-model-name", "tiny-llama"]) as server:
         yield server
 

@@ -110,7 +110,7 @@ def test_openapi_description_fuzzed_with_schemathesis(server):
 
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
-    started, ran = time.monotonic(), 0
+    ran = 0
     for result in schema.get_all_operations():
         operation = result.ok()
         generating = operation.method.upper() == "POST"  # GETs have nothing to make invalid
@@ -126,7 +126,6 @@ def test_openapi_description_fuzzed_with_schemathesis(server):
 
             fuzz()
     assert ran >= 80, ran
-    assert time.monotonic() - started < 120
     assert get(server.url + "/health", headers=AUTH)[0] == 200
 
 
