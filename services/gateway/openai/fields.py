@@ -170,7 +170,10 @@ FIELDS: tuple[Field, ...] = (
     Field("json_schema", {**_OBJECT, "description": "llama.cpp's: the output's JSON schema"}, _GEN),
     Field("structured_outputs", {"type": "object", "description": "vLLM's: one of json, regex, choice, grammar "
                                  "(xgrammar EBNF), json_object", "properties": {
-        "json": _JSON, "regex": _STRING, "choice": _STRINGS, "grammar": _STRING, "json_object": _BOOLEAN}}, _GEN),
+        "json": _JSON, "regex": _STRING, "choice": _STRINGS, "grammar": _STRING, "json_object": _BOOLEAN,
+        "unbounded_numbers": {**_BOOLEAN, "description": "pagedserve's: JSON numbers of any length (by default "
+                              "17 significant digits and a 3-digit exponent, integers as the schema's bounds "
+                              "or int64 allow); goes with any output constraint field"}}}, _GEN),
     Field("skip_special_tokens", _BOOLEAN, _GEN),
     Field("bad_words", {"type": "array", "maxItems": Limit("max_bad_words"), "items": {
         "type": "string", "minLength": 1, "maxLength": Limit("max_bad_words_chars"), "pattern": "\\S"}}, _GEN),
