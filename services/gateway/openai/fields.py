@@ -131,6 +131,8 @@ FIELDS: tuple[Field, ...] = (
           refused_elsewhere=("none", "auto")),
     Field("parallel_tool_calls", _BOOLEAN, _CH, ignored_elsewhere=True),
     Field("max_completion_tokens", _integer(1, INT64_MAX), _CH),
+    Field("include_reasoning", {**_BOOLEAN, "description": "vLLM's: with --reasoning-parser, show the thinking as "
+                                "reasoning_content (false: drop it)"}, _CH, ignored_elsewhere=True),
     # both: sampling, stopping, output
     Field("max_tokens", _integer(0, INT64_MAX, "0 only with echo (prompt scoring)"), _GEN),
     Field("n_predict", _integer(-1, INT64_MAX, "llama.cpp's max_tokens; -1: the rest of the context"), _GEN),
