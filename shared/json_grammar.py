@@ -36,22 +36,27 @@ _UPPER = ("maximum", "exclusiveMaximum")
 _VALUES = frozenset({"enum", "const", "default", "examples"})  # JSON values, not schemas
 
 
-def _mantissa() -> str:
-    """Digits of a number before its exponent: 17 significant ones at most."""
+def _digit_rules() -> str:
+    """The bounded digit runs as chains of rules, one per digit left (written as `{m,n}`
+    repetitions and alternatives instead, the compiled grammar of any JSON object was 2.8 MB
+    on SmolLM2; this way 0.5 MB, against xgrammar's own 92 KB)."""
     n = MAX_SIGNIFICANT_DIGITS
-    alts = [f'"0" ("." "0"{{1,{n - 1}}})?']  # 0, 0.0, 0.00...
-    alts.append(f'"0" "." "0"{{0,{n - 1}}} [1-9] [0-9]{{0,{n - 1}}}')
-    for k in range(n):  # [1-9] and k more integer digits, then a fraction of what is left
-        digits = f'[1-9] [0-9]{{{k}}}' if k else "[1-9]"
-        alts.append(f'{digits} ("." [0-9]{{1,{n - 1 - k}}})?' if k < n - 1 else digits)
-    return " | ".join(f"({a})" for a in alts)
+    rules = ['bounded_number_mantissa ::= "0" ("." bounded_zeros_{0}) | "0" | [1-9] bounded_int_{0}'.format(n - 1)]
+    for k in range(1, n):  # k significant digits still allowed
+        rules += [f'bounded_int_{k} ::= "" | [0-9] bounded_int_{k - 1} | "." [0-9] bounded_sig_{k - 1}',
+                  f'bounded_sig_{k} ::= "" | [0-9] bounded_sig_{k - 1}',
+                  f'bounded_zeros_{k} ::= "0" | "0" bounded_zeros_{k - 1} | [1-9] bounded_sig_{n - 1}']
+    rules += ['bounded_int_0 ::= ""', 'bounded_sig_0 ::= ""', f'bounded_zeros_0 ::= [1-9] bounded_sig_{n - 1}']
+    rules += [f'bounded_digits_{k} ::= "" | [0-9] bounded_digits_{k - 1}' for k in range(1, MAX_INTEGER_DIGITS)]
+    rules.append('bounded_digits_0 ::= ""')
+    return "\n".join(rules) + "\n"
 
 
 _RULES = {
     "basic_number": f'"-"? bounded_number_mantissa ([eE] [+\\-]? [0-9]{{1,{MAX_EXPONENT_DIGITS}}})?',
-    "basic_integer": f'"-"? ("0" | [1-9] [0-9]{{0,{MAX_INTEGER_DIGITS - 1}}})',
+    "basic_integer": f'"-"? ("0" | [1-9] bounded_digits_{MAX_INTEGER_DIGITS - 1})',
 }
-_EXTRA = f"bounded_number_mantissa ::= {_mantissa()}\n"
+_EXTRA = _digit_rules()
 
 
 def _types(schema: dict) -> set:
