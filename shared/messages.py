@@ -15,10 +15,12 @@ from msgspec import Struct
 class StructuredOutput(Struct, frozen=True):
     """A constraint on the output, enforced by a grammar engine token by token.
     kind: "json" (any JSON object), "json_schema", "regex", "choice" (spec: a JSON array of
-    strings) or "grammar" (xgrammar's EBNF); spec: its text."""
+    strings) or "grammar" (xgrammar's EBNF); spec: its text. JSON numbers are bounded to what
+    a float64 / int64 holds (shared.json_grammar) unless unbounded_numbers."""
 
     kind: str
     spec: str = ""
+    unbounded_numbers: bool = False
 
 
 class SamplingParams(Struct, frozen=True):

@@ -9,7 +9,9 @@ after checking it was made for the executor's vocabulary; it compiles only a spe
 came without it (a request built without the tokenizer stage) or whose compiled form does
 not fit (a tokenizer replica of another model), and logs it. JSON is compiled without
 free whitespace (compact separators), so a constrained answer never wanders off into
-spaces and always parses once complete. xgrammar is an optional dependency
+spaces and always parses once complete, and with its numbers held to what a float64 or an
+int64 holds (shared.json_grammar; a spec's `unbounded_numbers` keeps xgrammar's own), so a
+model cannot repeat a digit until max_tokens. xgrammar is an optional dependency
 (`pip install 'pagedserve[structured]'`); without it a constrained request is refused.
 """
 
@@ -21,6 +23,7 @@ import re
 import threading
 from collections import OrderedDict
 
+from shared.json_grammar import bounded_json_grammar
 from shared.messages import StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -52,10 +55,11 @@ def _choice_grammar(spec: str) -> str:
 def compile_spec(compiler, spec: StructuredOutput):
     """spec compiled by an xgrammar GrammarCompiler; StructuredOutputError when it cannot be."""
     try:
-        if spec.kind == "json":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.spec, any_whitespace=False)
+        if spec.kind in ("json", "json_schema"):
+            schema = spec.spec if spec.kind == "json_schema" else '{"type": "object"}'
+            if spec.unbounded_numbers:
+                return compiler.compile_json_schema(schema, any_whitespace=False)
+            return compiler.compile_grammar(bounded_json_grammar(schema))
         if spec.kind == "regex":
             return compiler.compile_regex(spec.spec)
         if spec.kind == "choice":

@@ -1,7 +1,8 @@
 """The gateway's HTTP routes: OpenAI completions and chat, models, health, metrics.
 
 A generation handler validates the body, sends the request down the pipeline and turns
-the TextDeltas that come back into one JSON object or an SSE stream. A stream waits
+the TextDeltas that come back into one JSON object or an SSE stream (a chat answer's
+thinking split off as reasoning_content with `--reasoning-parser`). A stream waits
 for the first message before it sends headers, so an error the pipeline finds early
 (prompt too long) is still a plain HTTP error; an error after that is an SSE error
 event followed by [DONE]. A handler that leaves early (client gone, timeout) aborts
@@ -96,8 +97,10 @@ class Gateway:
         client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
         limits: RequestLimits = DEFAULT_LIMITS,
         host_check: HostCheck | None = None,
+        reasoning_parser: str | None = None,
     ):
         self.limits, self.host_check = limits, host_check
+        self.reasoning_parser = reasoning_parser  # reasoning.py: a chat answer's thinking as reasoning_content
         self.client, self.tracker, self.metrics = client, tracker, metrics
         self.admission = admission or Admission(None, None, lambda: 0, lambda: None)
         self.max_body_bytes = max_body_bytes
@@ -175,7 +178,8 @@ class Gateway:
         out = ResponseBuilder(
             parsed.kind, request_id, self.served_model_name, parsed.include_usage, parsed.return_token_ids,
             num_choices=parsed.params.n * parsed.num_prompts, params=parsed.params, echo_only=parsed.echo_only,
-            tool_mode=parsed.tool_mode,
+            tool_mode=parsed.tool_mode, reasoning_parser=self.reasoning_parser,
+            include_reasoning=parsed.include_reasoning,
         )
         timer = self.metrics.track(parsed.params.n * parsed.num_prompts)
         if parsed.batch:
@@ -214,7 +218,7 @@ class Gateway:
         token_ids: list[list[int]] = [[] for _ in range(n)]
         while True:
             timer.on_delta(msg)
-            texts[msg.seq_index].append(msg.text)
+            texts[msg.seq_index].append(out.split(msg)[1])  # the reasoning stays in out
             token_ids[msg.seq_index] += msg.token_ids
             if out.record(msg):
                 break
@@ -260,12 +264,13 @@ class Gateway:
                 while True:
                     timer.on_delta(msg)
                     done = out.record(msg)
+                    reasoning, text = out.split(msg)
                     if out.tool_mode is not None and msg.finish_reason is not None:
-                        await out.parse_calls(msg.seq_index, out.choices[msg.seq_index].held + msg.text)
-                    if (msg.text or msg.finish_reason is not None or (out.return_token_ids and msg.token_ids)
+                        await out.parse_calls(msg.seq_index, out.choices[msg.seq_index].held + text)
+                    if (text or reasoning or msg.finish_reason is not None or (out.return_token_ids and msg.token_ids)
                             or (out.logprobs and msg.logprobs)):
-                        chunk = out.chunk(msg.text, msg.finish_reason, token_ids=msg.token_ids,
-                                          index=msg.seq_index, logprobs=msg.logprobs)
+                        chunk = out.chunk(text, msg.finish_reason, token_ids=msg.token_ids,
+                                          index=msg.seq_index, logprobs=msg.logprobs, reasoning=reasoning)
                         if chunk is not None:
                             await send(chunk)
                     if done:

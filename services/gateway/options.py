@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from services.gateway.engine_router import POLICIES
 from services.gateway.limits import RequestLimits
+from services.gateway.reasoning import REASONING_PARSERS
 from shared.options import group, option
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -46,4 +47,7 @@ class GatewayOptions:
                                              "other address, every host)")
     routing: str = option("prefix", "with several engines: prefix-aware (with a load cap), least-loaded or "
                                     "round-robin", choices=POLICIES)
+    reasoning_parser: str | None = option(None, "split a chat answer's thinking into reasoning_content: "
+                                                "deepseek_r1 (<think>...</think>, the opening tag optional)",
+                                          choices=REASONING_PARSERS)
     limits: RequestLimits = group(RequestLimits)

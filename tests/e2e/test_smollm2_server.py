@@ -72,3 +72,22 @@ def test_chat_answers_and_stops_at_end_of_turn(smollm2_server):
     assert choice["message"]["role"] == "assistant"
     assert choice["finish_reason"] == "stop"  # <|im_end|> ends the turn
     assert "<|im_end|>" not in choice["message"]["content"]
+
+
+def test_structured_output_parse_ends_in_the_schema_within_max_tokens(smollm2_server):
+    """Without bounded numbers SmolLM2 writes `"population_millions": 1111111...` to the length
+    limit and parse() raises LengthFinishReasonError (issue 24)."""
+    import openai
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+        population_millions: float
+
+    sdk = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="k", max_retries=0)
+    ask = {"model": "SmolLM2-135M-Instruct", "response_format": City, "max_tokens": 64, "temperature": 0,
+           "messages": [{"role": "user", "content": "Describe Paris as JSON: name, country, population in millions."}]}
+    choice = sdk.chat.completions.parse(**ask).choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(choice.message.parsed, City)

@@ -56,7 +56,7 @@ def parse_chat(body: dict, model_names: set[str], limits: RequestLimits = DEFAUL
     return ParsedRequest(
         "chat", params, stream, include_usage, boolean(body, "return_token_ids", False),
         messages=messages, chat=chat, add_special_tokens=boolean(body, "add_special_tokens", None),
-        tool_mode=tool_mode,
+        tool_mode=tool_mode, include_reasoning=boolean(body, "include_reasoning", True),
     )
 
 

@@ -131,6 +131,8 @@ FIELDS: tuple[Field, ...] = (
           refused_elsewhere=("none", "auto")),
     Field("parallel_tool_calls", _BOOLEAN, _CH, ignored_elsewhere=True),
     Field("max_completion_tokens", _integer(1, INT64_MAX), _CH),
+    Field("include_reasoning", {**_BOOLEAN, "description": "vLLM's: with --reasoning-parser, show the thinking as "
+                                "reasoning_content (false: drop it)"}, _CH, ignored_elsewhere=True),
     # both: sampling, stopping, output
     Field("max_tokens", _integer(0, INT64_MAX, "0 only with echo (prompt scoring)"), _GEN),
     Field("n_predict", _integer(-1, INT64_MAX, "llama.cpp's max_tokens; -1: the rest of the context"), _GEN),
@@ -170,7 +172,10 @@ FIELDS: tuple[Field, ...] = (
     Field("json_schema", {**_OBJECT, "description": "llama.cpp's: the output's JSON schema"}, _GEN),
     Field("structured_outputs", {"type": "object", "description": "vLLM's: one of json, regex, choice, grammar "
                                  "(xgrammar EBNF), json_object", "properties": {
-        "json": _JSON, "regex": _STRING, "choice": _STRINGS, "grammar": _STRING, "json_object": _BOOLEAN}}, _GEN),
+        "json": _JSON, "regex": _STRING, "choice": _STRINGS, "grammar": _STRING, "json_object": _BOOLEAN,
+        "unbounded_numbers": {**_BOOLEAN, "description": "pagedserve's: JSON numbers of any length (by default "
+                              "17 significant digits and a 3-digit exponent, integers as the schema's bounds "
+                              "or int64 allow); goes with any output constraint field"}}}, _GEN),
     Field("skip_special_tokens", _BOOLEAN, _GEN),
     Field("bad_words", {"type": "array", "maxItems": Limit("max_bad_words"), "items": {
         "type": "string", "minLength": 1, "maxLength": Limit("max_bad_words_chars"), "pattern": "\\S"}}, _GEN),

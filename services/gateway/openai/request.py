@@ -32,6 +32,7 @@ class ParsedRequest:
     add_special_tokens: bool | None = None
     tool_mode: ToolMode | None = None  # chat with tools: how the answer becomes tool_calls
     batch: list[tuple[str | None, list[int] | None]] | None = None  # several prompts: (text, ids) each
+    include_reasoning: bool = True  # chat with a reasoning parser: show reasoning_content
 
     @property
     def num_prompts(self) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.openai.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from services.gateway.openai.tools import ToolMode, extract_calls, extract_calls_off_loop, render_calls
+from services.gateway.reasoning import ThinkParser, make_parser
 from shared.messages import SamplingParams, TokenLogprob, ToolCall
 
 
@@ -38,6 +39,8 @@ class ChoiceState:
     held: str = ""  # a stream with tools: the text so far, sent (as calls or text) at the end
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    reasoning: ThinkParser | None = None  # a chat choice's, with a reasoning parser
+    reasoning_text: str = ""  # all of it so far (a whole response shows it)
 
 
 class ResponseBuilder:
@@ -53,7 +56,7 @@ class ResponseBuilder:
     def __init__(
         self, kind: str, request_id: str, model: str, include_usage: bool = False, return_token_ids: bool = False,
         num_choices: int = 1, params: SamplingParams | None = None, echo_only: bool = False,
-        tool_mode: ToolMode | None = None,
+        tool_mode: ToolMode | None = None, reasoning_parser: str | None = None, include_reasoning: bool = True,
     ):
         self.kind, self.id, self.model = kind, request_id, model
         self.include_usage, self.return_token_ids = include_usage, return_token_ids
@@ -67,6 +70,26 @@ class ResponseBuilder:
         # with tools (other than tool_choice none) a choice's text is parsed for calls when it ends
         self.tool_mode = tool_mode if tool_mode is not None and tool_mode.choice != "none" else None
         self._calls: dict[int, tuple[str | None, list[ToolCall]]] = {}  # by choice, parsed ahead off the loop
+        self.reasoning = reasoning_parser is not None and kind == "chat"
+        self.include_reasoning = include_reasoning
+        if self.reasoning:
+            for c in self.choices:
+                c.reasoning = make_parser(reasoning_parser)
+
+    def split(self, msg) -> tuple[str, str]:
+        """A TextDelta's (reasoning, content): all content without a reasoning parser. Call once
+        per delta, in order: the content is what tool calls and the answer are made of."""
+        state = self.choices[msg.seq_index]
+        if state.reasoning is None:
+            return "", msg.text
+        reasoning, content = state.reasoning.feed(msg.text)
+        if msg.finish_reason is not None:
+            more_reasoning, more_content = state.reasoning.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        if not self.include_reasoning:
+            return "", content
+        state.reasoning_text += reasoning
+        return reasoning, content
 
     async def parse_calls(self, index: int, text: str) -> None:
         """Find a finished choice's tool calls ahead of full() or its last chunk(), off the event
@@ -148,6 +171,8 @@ class ResponseBuilder:
                         choice["message"] = {"role": "assistant", "content": content,
                                              "tool_calls": render_calls(calls)}
                         finish_reason = self._tool_finish(finish_reason)
+                if self.reasoning and self.include_reasoning:
+                    choice["message"]["reasoning_content"] = state.reasoning_text or None
             else:
                 choice = {"index": index, "text": (state.prompt_text or "") + text if self.echo else text}
             state.text_offset = 0
@@ -163,9 +188,10 @@ class ResponseBuilder:
 
     def chunk(
         self, text: str, finish_reason: str | None = None, role: bool = False, token_ids: list[int] = (),
-        index: int = 0, logprobs: list[TokenLogprob] = (),
+        index: int = 0, logprobs: list[TokenLogprob] = (), reasoning: str = "",
     ) -> dict | None:
-        """One SSE chunk, or None while a choice with tools holds its text back."""
+        """One SSE chunk, or None while a choice with tools holds its text back (and has no
+        reasoning to show). text is the content (split() took any reasoning off)."""
         state = self.choices[index] if index < len(self.choices) else ChoiceState()
         first = not state.started and not role
         if not role:
@@ -178,12 +204,17 @@ class ResponseBuilder:
             if self.tool_mode is not None and not role:
                 state.held += text
                 if finish_reason is None:
-                    return None  # held until the end: calls or text
-                content, calls = self._extract_calls(index, state.held)
-                delta = {"content": content} if content else {}
-                if calls:
-                    delta["tool_calls"] = render_calls(calls, stream=True)
-                    finish_reason = self._tool_finish(finish_reason)
+                    delta = {}
+                    if not reasoning:
+                        return None  # held until the end: calls or text
+                else:
+                    content, calls = self._extract_calls(index, state.held)
+                    delta = {"content": content} if content else {}
+                    if calls:
+                        delta["tool_calls"] = render_calls(calls, stream=True)
+                        finish_reason = self._tool_finish(finish_reason)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             choice, obj = {"index": index, "delta": delta}, "chat.completion.chunk"
         else:
             if first and self.echo:

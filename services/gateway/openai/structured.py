@@ -1,10 +1,14 @@
 """Output constraints (structured output): OpenAI's response_format, vLLM's structured_outputs and
 guided_* fields, llama.cpp's json_schema; at most one per request, held to the schema and grammar
-size limits. The tokenizer stage compiles the constraint (a 400 if it does not compile)."""
+size limits. The tokenizer stage compiles the constraint (a 400 if it does not compile). JSON numbers
+are bounded in the grammar (shared.json_grammar) unless `structured_outputs.unbounded_numbers` is true,
+which goes with any of these fields."""
 
 from __future__ import annotations
 
 import json
+
+import msgspec
 
 from services.gateway.limits import LimitExceeded, RequestLimits, schema_json
 from services.gateway.openai.errors import ApiError, too_long, wrong_type
@@ -32,9 +36,13 @@ def output_constraint(body: dict, limits: RequestLimits) -> StructuredOutput | N
         elif kind != "text":
             raise ApiError("'response_format.type' must be text, json_object or json_schema.", param="response_format")
     outputs = body.get("structured_outputs")
+    unbounded = False
     if outputs is not None:
         if not isinstance(outputs, dict):
             raise wrong_type("structured_outputs", "an object", outputs)
+        unbounded = outputs.get("unbounded_numbers") or False
+        if not isinstance(unbounded, bool):
+            raise ApiError("'structured_outputs.unbounded_numbers' must be a boolean.", param="structured_outputs")
         for key in ("json", "regex", "choice", "grammar", "json_object"):
             if outputs.get(key) not in (None, False):
                 found.append(("structured_outputs",
@@ -47,7 +55,12 @@ def output_constraint(body: dict, limits: RequestLimits) -> StructuredOutput | N
     if len(found) > 1:
         raise ApiError(f"Only one output constraint may be given, not {found[0][0]} and {found[1][0]}.",
                        param=found[1][0])
-    return found[0][1] if found else None
+    if not found:
+        return None
+    constraint = found[0][1]
+    if unbounded and constraint.kind in ("json", "json_schema"):
+        constraint = msgspec.structs.replace(constraint, unbounded_numbers=True)
+    return constraint
 
 
 def _constraint(name: str, key: str, value, limits: RequestLimits) -> StructuredOutput:
