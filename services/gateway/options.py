@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from services.gateway.engine_router import POLICIES
 from services.gateway.limits import RequestLimits
+from shared.messages import POOLING_KINDS
 from shared.options import group, option
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -46,4 +47,6 @@ class GatewayOptions:
                                              "other address, every host)")
     routing: str = option("prefix", "with several engines: prefix-aware (with a load cap), least-loaded or "
                                     "round-robin", choices=POLICIES)
+    pooling: str | None = option(None, "how /v1/embeddings pools the last hidden states (default: the model's "
+                                       "sentence-transformers pooling config, else mean)", choices=POOLING_KINDS)
     limits: RequestLimits = group(RequestLimits)

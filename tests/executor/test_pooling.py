@@ -9,7 +9,13 @@ import torch
 
 from services.executor.model_runner import ModelRunner
 from shared.messages import ExecuteStep
-from tests.executor.test_model_runner import BLOCK, Driver, llama, prompts  # noqa: F401 (fixture)
+from tests.executor.test_model_runner import BLOCK, Driver, make_model, prompts
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("untied")
+    return path, make_model(path, "untied")
 
 
 def hf_hidden(hf, prompt) -> torch.Tensor:
