@@ -169,7 +169,7 @@ def embeddings_body(vectors: list[np.ndarray], prompt_tokens: int, model: str, e
 
 def request_schema(model_names: list[str], limits: RequestLimits) -> dict:
     """The body, for /openapi.json."""
-    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}}
     text = {"type": "string", "minLength": 1}
     return {"type": "object", "required": ["input"], "properties": {
         "input": {"oneOf": [text, ids,
