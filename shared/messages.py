@@ -23,6 +23,9 @@ class StructuredOutput(Struct, frozen=True):
     unbounded_numbers: bool = False
 
 
+POOLING_KINDS = ("mean", "last", "cls")
+
+
 class SamplingParams(Struct, frozen=True):
     """What the user asked for; validated by the gateway, carried end to end."""
 
@@ -55,6 +58,9 @@ class SamplingParams(Struct, frozen=True):
     bad_words: list[str] = []  # never generated (the tokenizer stage fills bad_words_ids)
     bad_words_ids: list[list[int]] = []
     cache_salt: str | None = None  # requests with different salts never share cached blocks
+    # an embedding request (POOLING_KINDS: "mean", "last", "cls"): prefill only, it ends with its
+    # prompt's pooled last hidden state (a PooledOutput) instead of sampled tokens; max_tokens 1
+    pooling: str | None = None
 
 
 class ChatOptions(Struct, frozen=True):
@@ -242,7 +248,17 @@ class StepDeltas(Struct, tag=True):
     deltas: list[TokenDelta]
 
 
-SchedulerToGateway = TokenDelta | RequestError | StepDeltas
+class PooledOutput(Struct, tag=True):
+    """An embedding request's answer, in place of its TokenDeltas: the pooled last hidden state
+    of its prompt (SamplingParams.pooling), unit length, as little-endian float32 bytes."""
+
+    request_id: str
+    embedding: bytes
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+
+
+SchedulerToGateway = TokenDelta | RequestError | StepDeltas | PooledOutput
 
 
 # --- scheduler -> executor ------------------------------------------------------------
@@ -335,6 +351,9 @@ class ExecuteStep(Struct, tag=True):
     # session: after a restart or a lost step the scheduler sends every state again)
     released: list[tuple[str, int]] = []
     reset_states: bool = False
+    # the rows of embedding requests (SamplingParams.pooling): (index in seqs, pooling kind, whether
+    # the chunk ends the prompt, so that the result carries its pooled vector); empty otherwise
+    pooling: list[tuple[int, str, bool]] = []
 
 
 class SchedulerHello(Struct, tag=True):
@@ -390,6 +409,9 @@ class StepResult(Struct, tag=True):
     prompt_logprobs: list[list[TokenLogprob]] = []
     # sequences that failed alone (sampled -1); their entries in the lists above are placeholders
     failed: list[FailedRow] = []
+    # the pooled vectors (float32 little-endian, unit length) of the step's pooling rows that end
+    # their prompt, in step order (b"" for a failed one)
+    embeddings: list[bytes] = []
 
 
 class StepFailed(Struct, tag=True):

@@ -53,6 +53,7 @@ from services.executor.logits_processors import History
 from services.executor.logprobs import token_logprobs
 from services.executor.models.llama import head_dim_of
 from services.executor.options import ExecutorOptions
+from services.executor.pooling import Pooler
 from services.executor.quantization import ALL_ROWS
 from services.executor.sampler import Sampler, no_token_problem
 from services.executor.step_calibration import calibrate_runner
@@ -123,6 +124,8 @@ class ModelRunner:
         per_block = bytes_per_block(*shape, self.kv_dtype)
         self.swap = HostKVCache(self.kv_cache, self.tp.min_int(o.swap_space // per_block) * per_block)
         self.last_top_logprobs: list[list[tuple[int, float]]] = []
+        self.pooler = Pooler()  # embedding requests' pooled states across their prompt's chunks
+        self.last_pooled: Tensor | None = None
         if o.cuda_graphs and self.device.type == "cuda" and self.tp.size > 1:
             log.info("no CUDA graphs under tensor parallelism (the all-reduces are not captured)")
         elif o.cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
@@ -147,18 +150,20 @@ class ModelRunner:
         A decode step replayed from a CUDA graph keeps its BatchMetadata on the CPU.
         Under tensor parallelism a forward pass that raises leaves the ranks out of step:
         `GroupBroken`, whatever the cause (InvalidStep, raised before, is the same on every rank)."""
-        graph = self.graphs is not None and self.graphs.fits(step) and not any(s.score_targets for s in step.seqs)
+        graph = (self.graphs is not None and not step.pooling and self.graphs.fits(step)
+                 and not any(s.score_targets for s in step.seqs))
         meta = BatchMetadata.from_step(step, self.block_size, self.num_kv_blocks, "cpu" if graph else self.device)
         self._move_blocks(step)
+        self.last_pooled = None
         start = time.perf_counter()
         with torch.inference_mode():
             if graph:
                 logits = self.graphs.replay(meta)
             elif self.tp.size == 1:
-                logits = self.model(meta, self.kv_cache.k_caches, self.kv_cache.v_caches)
+                logits = self._forward(step, meta)
             else:
                 try:
-                    logits = self.model(meta, self.kv_cache.k_caches, self.kv_cache.v_caches)
+                    logits = self._forward(step, meta)
                 except GroupBroken:
                     raise
                 except Exception as exc:
@@ -167,6 +172,16 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)  # kernels run asynchronously: time them to the end
         self.last_forward_s = time.perf_counter() - start
         return logits, meta
+
+    def _forward(self, step: ExecuteStep, meta: BatchMetadata) -> Tensor | None:
+        """The model's logits; a step with embedding rows also leaves their rows' final hidden
+        states in last_pooled, for `run` (and `compute_logits`' callers) to pool."""
+        if not step.pooling:
+            return self.model(meta, self.kv_cache.k_caches, self.kv_cache.v_caches)
+        rows = torch.tensor(Pooler.rows(step, meta.query_lens), dtype=torch.long, device=self.device)
+        logits, self.last_pooled = self.model.forward_pooled(meta, self.kv_cache.k_caches, self.kv_cache.v_caches,
+                                                             rows)
+        return logits
 
     def execute(self, step: ExecuteStep) -> list[int]:
         """The token sampled for each of step.seqs, or -1 where a sequence is not sampled
@@ -177,6 +192,8 @@ class ModelRunner:
 
     def run(self, step: ExecuteStep) -> StepResult:
         self.last_forward_s = 0.0
+        if len(self.pooler) and (step.released or step.reset_states):
+            self.pooler.release(step)
         if not step.seqs:
             self._move_blocks(step)
             return StepResult(step.step_id, [], 0.0)
@@ -221,6 +238,9 @@ class ModelRunner:
             if asked:
                 result.logprobs = self._logprobs(raw, asked, tokens, params, failed)
         failures = {meta.sampled_seqs[j]: why for j, why in failed.items()}  # by index in step.seqs
+        if step.pooling:
+            result.embeddings, broken = self.pooler.pool(step, self.last_pooled)
+            failures.update((i, (500, why)) for i, why in broken.items())
         row = num_sampled
         for i, m in meta.scored_seqs or []:
             seq = step.seqs[i]

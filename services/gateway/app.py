@@ -1,4 +1,5 @@
-"""The gateway's HTTP routes: OpenAI completions and chat, models, health, metrics.
+"""The gateway's HTTP routes: OpenAI completions and chat, models, health, metrics (embeddings:
+`embedding_routes`).
 
 A generation handler validates the body, sends the request down the pipeline and turns
 the TextDeltas that come back into one JSON object or an SSE stream (a chat answer's
@@ -30,6 +31,7 @@ from aiohttp import web
 
 from services.gateway.admission import RETRY_AFTER_S, Admission
 from services.gateway.batch_stream import BatchStream
+from services.gateway.embedding_routes import EmbeddingRoutes
 from services.gateway.engine_client import EngineClient, EngineError, RequestStream, RequestTimeout
 from services.gateway.health import StageTracker
 from services.gateway.host_check import HostCheck
@@ -97,6 +99,8 @@ class Gateway:
         client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
         limits: RequestLimits = DEFAULT_LIMITS,
         host_check: HostCheck | None = None,
+        pooling: str = "mean",
+        hidden_size: int = 0,
         reasoning_parser: str | None = None,
     ):
         self.limits, self.host_check = limits, host_check
@@ -112,6 +116,8 @@ class Gateway:
         self.model_root = os.path.basename(root.rstrip("/\\")) if os.path.isabs(root) else root
         self.created = int(time.time())
         self.tokens = TokenizeRoutes(client, self.model_names, self._read_body, error_response)
+        self.embedding_routes = EmbeddingRoutes(self, pooling, hidden_size)
+        self.error, self.engine_error, self.dumps = error_response, _engine_api_error, _dumps
 
     def make_app(self) -> web.Application:
         checks = [self.admission.middleware()]
@@ -121,6 +127,7 @@ class Gateway:
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/embeddings", self.embedding_routes.embeddings),
             web.get("/v1/models", self.models),
             web.post("/tokenize", self.tokens.tokenize),
             web.post("/detokenize", self.tokens.detokenize),

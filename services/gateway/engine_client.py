@@ -4,7 +4,7 @@ A request goes to a tokenizer replica (`routing.TokenizerRouter`: round robin ov
 ones), which answers with its TokenizedRequest (or a RequestError); the gateway passes that
 on to an engine's scheduler (`engine_links.EngineLinks`: the engine the router picks with
 data parallelism) and the scheduler sends the request's tokens straight back here, one frame
-per step. Each request in flight is a RequestStream with its own asyncio.Queue and its
+per step (an embedding request: one PooledOutput, its pooled vector). Each request in flight is a RequestStream with its own asyncio.Queue and its
 RequestText (`output_text`): `next()` turns the engine's deltas into the client's text,
 stop strings included (a stop found here is told to the engine, FinishRequest). A request
 left before its last delta (client gone, timeout, handler cancelled) is aborted at its
@@ -53,6 +53,7 @@ from shared.messages import (
     GatewayBeat,
     GatewayToTokenizer,
     GenerateRequest,
+    PooledOutput,
     RequestError,
     StepDeltas,
     TokenDelta,
@@ -176,7 +177,7 @@ class EngineClient:
                 log.exception("reading engine %s failed", engine)
                 await asyncio.sleep(0.1)
 
-    def _on_engine(self, engine: str, msg: TokenDelta | RequestError) -> None:
+    def _on_engine(self, engine: str, msg: TokenDelta | RequestError | PooledOutput) -> None:
         entry = self._pipelines.get(msg.request_id)
         if entry is None:
             if isinstance(msg, TokenDelta) and msg.finish_reason is None:
@@ -369,8 +370,9 @@ class RequestStream:
             raise RequestTimeout
         return remaining
 
-    async def next(self) -> TextDelta:
-        """The next TextDelta; raises EngineError for an error, RequestTimeout past the deadline."""
+    async def next(self) -> TextDelta | PooledOutput:
+        """The next TextDelta (an embedding request: its one PooledOutput); raises EngineError for
+        an error, RequestTimeout past the deadline."""
         while True:
             remaining = self._remaining()
             try:  # no task per token (as wait_for makes) when the delta is already queued
@@ -395,9 +397,13 @@ class RequestStream:
             if delta is not None:
                 return delta
 
-    def _text(self, msg: TokenDelta, choice: int | None) -> TextDelta | None:
+    def _text(self, msg: TokenDelta | PooledOutput, choice: int | None) -> TextDelta | PooledOutput | None:
         if msg.request_id not in self.pipelines:
             return None  # from a run that was replaced
+        if isinstance(msg, PooledOutput):  # an embedding request's whole answer
+            self.started = self.done = True
+            self.stop()
+            return msgspec.structs.replace(msg, request_id=self.request_id)
         index = msg.seq_index if choice is None else choice
         self.started = True
         try:

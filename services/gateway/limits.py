@@ -29,6 +29,7 @@ class RequestLimits:
 
     max_n: int = _limit(16, "samples (n) or beams (beam_width) of one request; the engine allows at most 64")
     max_prompts: int = _limit(64, "prompts in one /v1/completions batch")
+    max_embedding_inputs: int = _limit(2048, "inputs in one /v1/embeddings request (OpenAI's bound)")
     max_sequences: int = _limit(256, "sequences one request starts: prompts x n (x beam_width with beam search)")
     max_logprobs: int = _limit(20, "top candidates per position (logprobs, top_logprobs, prompt_logprobs), "
                                    "as OpenAI and vLLM; the engine allows at most 64")

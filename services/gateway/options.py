@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from services.gateway.engine_router import POLICIES
 from services.gateway.limits import RequestLimits
 from services.gateway.reasoning import REASONING_PARSERS
+from shared.messages import POOLING_KINDS
 from shared.options import group, option
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -50,4 +51,6 @@ class GatewayOptions:
     reasoning_parser: str | None = option(None, "split a chat answer's thinking into reasoning_content: "
                                                 "deepseek_r1 (<think>...</think>, the opening tag optional)",
                                           choices=REASONING_PARSERS)
+    pooling: str | None = option(None, "how /v1/embeddings pools the last hidden states (default: the model's "
+                                       "sentence-transformers pooling config, else mean)", choices=POOLING_KINDS)
     limits: RequestLimits = group(RequestLimits)

@@ -34,6 +34,7 @@ from services.gateway.health import StageTracker
 from services.gateway.host_check import HostCheck
 from services.gateway.limits import RequestLimits
 from services.gateway.metrics import Metrics
+from services.gateway.openai.embeddings import model_hidden_size, resolve_pooling
 from services.gateway.supervision import SupervisionState
 from services.gateway.watchdog import CHECK_INTERVAL_S, StageWatchdog
 from shared import cpu_placement
@@ -96,7 +97,8 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
     served = args.served_model_name or default_served_name(args.model)
     gateway = Gateway(client, tracker, metrics, served, {served, args.model}, args.request_timeout, args.model,
                       admission, args.max_request_bytes, args.client_timeout, from_args(RequestLimits, args),
-                      HostCheck(args.allowed_hosts, args.host), reasoning_parser=args.reasoning_parser)
+                      HostCheck(args.allowed_hosts, args.host), resolve_pooling(args.pooling, model_dir),
+                      model_hidden_size(model_dir), reasoning_parser=args.reasoning_parser)
     hub = DashboardHub(metrics, client.watch_pool)
     tasks = [loop.create_task(client.run_reader()), loop.create_task(client.run_upkeep()),
              loop.create_task(_read_status(status, tracker, watchdog, hub, publisher)),

@@ -56,6 +56,7 @@ from shared.messages import (
     PREVIOUS_TOKEN,
     ExecuteStep,
     FailedRow,
+    PooledOutput,
     ScheduledSeq,
     SchedulerStats,
     TokenDelta,
@@ -227,7 +228,8 @@ class Scheduler:
     def _preempt(self, req: Sequence, swap_out: list[tuple[int, int]] | None = None) -> None:
         """Free a running request's blocks; swap its KV out if swap_out collects copies
         and there is room, else it is recomputed later."""
-        if swap_out is not None and self.swap is not None and self.swap.can_swap_out(len(req.block_table)):
+        if (swap_out is not None and self.swap is not None and req.params.pooling is None
+                and self.swap.can_swap_out(len(req.block_table))):  # (a pooling sum is not swapped)
             pairs = self.swap.swap_out(req.block_table)
             swap_out.extend(pairs)
             req.swapped_blocks = [host for _, host in pairs]
@@ -512,7 +514,9 @@ class Scheduler:
             return None
         chunks = [c for _, c in kept]
         step = ExecuteStep(step_id=self._next_step_id, seqs=[seq for seq, _ in kept], block_copies=copies,
-                           swap_out=swap_out, swap_in=swap_in)
+                           swap_out=swap_out, swap_in=swap_in,
+                           pooling=[(i, c.sequence.params.pooling, c.samples) for i, c in enumerate(chunks)
+                                    if c.sequence.params.pooling is not None])
         self.executor_states.stamp(step)
         self._next_step_id += 1
         return step, chunks
@@ -593,7 +597,7 @@ class Scheduler:
             start_pos=start,
             block_table=list(req.block_table),
             slot_mapping=self.blocks.slot_mapping(req, start, chunk.num_tokens),
-            sample=chunk.samples,
+            sample=chunk.samples and req.params.pooling is None,
             output_index=req.num_output_tokens,
             num_logprobs=2 * req.params.beam_width if req.params.use_beam_search else 0,
             score_targets=req.score_targets(start, chunk.num_tokens),
@@ -616,13 +620,16 @@ class Scheduler:
     def process_results(
         self, chunks: list[ScheduledChunk], sampled: list[int], top_logprobs: list[list[tuple[int, float]]] = (),
         logprobs: list[TokenLogprob] = (), prompt_logprobs: list[list[TokenLogprob]] = (),
-    ) -> list[tuple[Sequence, TokenDelta]]:
-        """Apply one step's sampled tokens (and beams' candidates, the sampled tokens' logprobs
-        and the scored prompt positions, each given in step order for the sequences that have
-        them); returns the deltas to send, by request."""
+        embeddings: list[bytes] = (),
+    ) -> list[tuple[Sequence, TokenDelta | PooledOutput]]:
+        """Apply one step's sampled tokens (and beams' candidates, the sampled tokens' logprobs,
+        the scored prompt positions and the pooled vectors of embedding requests whose prompt
+        ends, each given in step order for the sequences that have them); returns the deltas
+        to send, by request."""
         self.num_steps_total += 1
-        out: list[tuple[Sequence, TokenDelta]] = []
+        out: list[tuple[Sequence, TokenDelta | PooledOutput]] = []
         candidates, token_lps, scored = iter(top_logprobs), iter(logprobs), iter(prompt_logprobs)
+        pooled = iter(embeddings)
         touched_beams = set()
         for chunk, token in zip(chunks, sampled, strict=True):
             req = chunk.sequence
@@ -631,12 +638,16 @@ class Scheduler:
             token_lp = (next(token_lps) if samples and req.sampling.logprobs is not None
                         and not req.params.use_beam_search else None)
             positions = next(scored) if req.score_targets(req.num_computed_tokens, chunk.num_tokens) else None
+            embedding = next(pooled) if samples and req.params.pooling is not None else None
             if req.status is not SequenceStatus.RUNNING:
                 continue  # aborted, finished, failed or preempted while the step ran
             try:
                 if positions is not None:
                     req.add_prompt_logprobs(req.num_computed_tokens, positions)
-                delta = self._apply(chunk, token, beam_cands, token_lp)
+                if embedding is not None:
+                    delta = self._apply_pooled(chunk, embedding)
+                else:
+                    delta = self._apply(chunk, token, beam_cands, token_lp)
             except Exception as exc:
                 self.fail_request(req.request_id, exc)
                 continue
@@ -689,6 +700,22 @@ class Scheduler:
             if prompt_logprobs:  # once a request: the gateway gives them to every sample
                 delta.prompt_logprobs = req.prompt_logprobs
         return delta
+
+    def _apply_pooled(self, chunk: ScheduledChunk, embedding: bytes) -> PooledOutput:
+        """The last chunk of an embedding request's prompt: it ends, with its pooled vector."""
+        req = chunk.sequence
+        if not embedding:
+            raise ValueError("the executor sent no pooled vector for an embedding request")
+        start = req.num_computed_tokens  # (never restored from swap: pooling requests are recomputed)
+        req.num_computed_tokens += chunk.num_tokens
+        self.blocks.commit(req, start, req.num_computed_tokens)  # its prompt's blocks stay cached for others
+        self._finish(req, "stop")
+        return PooledOutput(req.request_id, embedding, req.num_prompt_tokens, req.num_cached_tokens)
+
+    @staticmethod
+    def expected_embeddings(chunks: list[ScheduledChunk]) -> int:
+        """How many pooled vectors the result of a step of these chunks must hold."""
+        return sum(1 for c in chunks if c.samples and c.sequence.params.pooling is not None)
 
     def _first_of_request(self, req: Sequence) -> bool:
         """Whether this is the request's first delta among its samples (counted if so)."""

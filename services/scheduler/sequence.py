@@ -97,6 +97,8 @@ class Sequence:
 
     @property
     def max_total_tokens(self) -> int:
+        if self.params.pooling is not None:  # an embedding request: its prompt alone, nothing sampled
+            return self.num_prompt_tokens
         return self.num_prompt_tokens + self.params.max_tokens
 
     @cached_property
@@ -130,6 +132,8 @@ class Sequence:
     def no_cache_hits(self) -> bool:
         """Its prompt is still to be scored: every position must be computed, none taken
         from the prefix cache."""
+        if self.params.pooling in ("mean", "cls"):  # pooled over hidden states the cache does not hold
+            return True
         return self.asks_prompt_logprobs and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def score_targets(self, start: int, num_tokens: int) -> list[int]:

@@ -231,7 +231,8 @@ class SchedulerService:
         beams, logprobs, scored = self.scheduler.expected_outputs(chunks)
         if isinstance(msg, StepResult) and (len(msg.sampled) != len(chunks) or len(msg.top_logprobs) != beams
                                             or len(msg.logprobs) != logprobs or len(msg.prompt_logprobs) != scored
-                                            or any(not 0 <= f.index < len(chunks) for f in msg.failed)):
+                                            or any(not 0 <= f.index < len(chunks) for f in msg.failed)
+                                            or len(msg.embeddings) != self.scheduler.expected_embeddings(chunks)):
             msg = StepFailed(msg.step_id, f"result for {len(msg.sampled)} sequences, step had {len(chunks)}")
         if isinstance(msg, StepFailed):
             log.error("step %d failed: %s", msg.step_id, msg.message)
@@ -247,7 +248,7 @@ class SchedulerService:
             self._reply(req.reply_to, RequestError(req.request_id, status, row.message,
                                                    "invalid_request_error" if status == 400 else "internal_error"))
         for req, delta in self.scheduler.process_results(chunks, msg.sampled, msg.top_logprobs, msg.logprobs,
-                                                             msg.prompt_logprobs):
+                                                             msg.prompt_logprobs, msg.embeddings):
             self._reply(req.reply_to, delta)
         self._report_failures()
         # from the previous result (or from scheduling, after idling) to this one: the whole

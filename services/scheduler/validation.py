@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from shared.messages import SamplingParams
+from shared.messages import POOLING_KINDS, SamplingParams
 
 MAX_BEAM_WIDTH = 64
 MAX_N = 64
@@ -84,6 +84,11 @@ def params_problem(p: SamplingParams) -> str | None:
     for name, k in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
         if k is not None and not 0 <= k <= MAX_LOGPROBS:
             return f"{name} must be between 0 and {MAX_LOGPROBS}, got {k}"
+    if p.pooling is not None:
+        if p.pooling not in POOLING_KINDS:
+            return f"pooling must be one of {', '.join(POOLING_KINDS)}, got {p.pooling!r}"
+        if p.n != 1 or p.use_beam_search or p.prompt_logprobs is not None:
+            return "an embedding request (pooling) is one sequence, with no beam search or prompt_logprobs"
     return None
 
 

@@ -279,6 +279,19 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, meta: BatchMetadata, k_caches: list[Tensor], v_caches: list[Tensor]) -> Tensor | None:
         """Float32 logits [num_sampled, vocab] for meta.sample_indices, in that order
         (on rank 0; None on the other ranks of a tensor-parallel group)."""
+        x, residual = self._decode_layers(meta, k_caches, v_caches)
+        return self.logits(self._final_norm(x, residual, meta.sample_indices))
+
+    def forward_pooled(self, meta: BatchMetadata, k_caches: list[Tensor], v_caches: list[Tensor],
+                       pool_rows: Tensor) -> tuple[Tensor | None, Tensor]:
+        """`forward`'s logits, and the final normed hidden states [len(pool_rows), hidden] of the
+        token rows pool_rows (embedding requests, `services.executor.pooling`; every rank has them)."""
+        x, residual = self._decode_layers(meta, k_caches, v_caches)
+        hidden = self._final_norm(x, residual, pool_rows)
+        return self.logits(self._final_norm(x, residual, meta.sample_indices)), hidden
+
+    def _decode_layers(self, meta: BatchMetadata, k_caches: list[Tensor], v_caches: list[Tensor],
+                       ) -> tuple[Tensor, Tensor]:
         x = self.model.embed_tokens(meta.input_ids)
         cos_sin = self.cos_sin(x.dtype)
         if self._layer_calls is None:
@@ -286,10 +299,11 @@ class LlamaForCausalLM(nn.Module):
         ops, tp, residual = self.backend, self.tp, None
         for layer, k_cache, v_cache in zip(self._layer_calls, k_caches, v_caches, strict=True):
             x, residual = decoder_layer(ops, tp, layer, x, residual, cos_sin, meta, k_cache, v_cache)
-        rows = meta.sample_indices
+        return x, residual
+
+    def _final_norm(self, x: Tensor, residual: Tensor, rows: Tensor) -> Tensor:
         norm = self.model.norm
-        x = self.backend.rms_norm(x[rows] + residual[rows], norm.weight, norm.eps)
-        return self.logits(x)
+        return self.backend.rms_norm(x[rows] + residual[rows], norm.weight, norm.eps)
 
     def logits(self, x: Tensor) -> Tensor | None:
         """Float32 logits of final hidden states: the head's int8 copy for few rows, if it has one

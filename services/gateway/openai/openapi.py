@@ -8,6 +8,7 @@ schema-valid bodies must not cause a 5xx, invalid ones must get documented 4xx e
 from __future__ import annotations
 
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
+from services.gateway.openai import embeddings
 from services.gateway.openai.fields import CHAT, COMPLETION, DETOKENIZE, TOKENIZE, request_schema
 
 
@@ -129,6 +130,12 @@ def openapi_spec(model_names: list[str], secured: bool, metrics_public: bool = F
                                            "Completion"),
             "/v1/chat/completions": _generation("Answer a chat", request_schema(CHAT, lim, model_names),
                                                 "ChatCompletion"),
+            "/v1/embeddings": {"post": {
+                "summary": "Embed inputs: the model's pooled last hidden states, unit length",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": embeddings.request_schema(model_names, lim)}}},
+                "responses": {"200": {"description": "One embedding per input", "content": {"application/json": {
+                    "schema": embeddings.RESPONSE_SCHEMA}}}, **_GENERATION_ERRORS}}},
             **_tokenize_paths(model_names, lim),
             "/v1/models": {"get": {"summary": "The served model", "responses": {
                 "200": {"description": "Models", "content": {
