@@ -96,7 +96,7 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
     served = args.served_model_name or default_served_name(args.model)
     gateway = Gateway(client, tracker, metrics, served, {served, args.model}, args.request_timeout, args.model,
                       admission, args.max_request_bytes, args.client_timeout, from_args(RequestLimits, args),
-                      HostCheck(args.allowed_hosts, args.host))
+                      HostCheck(args.allowed_hosts, args.host), args.scheduling_policy)
     hub = DashboardHub(metrics, client.watch_pool)
     tasks = [loop.create_task(client.run_reader()), loop.create_task(client.run_upkeep()),
              loop.create_task(_read_status(status, tracker, watchdog, hub, publisher)),
