@@ -26,9 +26,9 @@ victim, the last, is the lowest priority and the latest arrival among equals. A 
 sequence that finds no room (no KV blocks or no running slot) has the running sequence of
 the lowest priority preempted for it, as above (recompute or swap), while that one's
 priority is strictly lower (a larger value): never one of an equal or higher priority. A
-victim that has a chunk in the step being built loses it and its block copies (recomputed,
-not swapped, if it made a copy-on-write: its KV is not all in its blocks before the step's
-copies run, and a swap-out runs before them); after such a preemption
+victim that has a chunk in the step being built loses it and its block copies, and is
+recomputed, not swapped (its table holds blocks taken for that chunk, maybe a copy-on-write
+one that the step's copies, which run after swap-outs, would fill); after such a preemption
 no sequence is swapped back in within that step, since a swap-in could overwrite a block
 the step still copies from. `schedule_ahead` never preempts: when it would, the next step
 is left to `schedule`. A low priority can wait as long as higher ones keep coming.
@@ -545,15 +545,16 @@ class Scheduler:
             self._priority_blocked = True
             return None
         victim = self.running.pop()
-        given, copied = 0, False
+        given = 0
         index = next((k for k, c in enumerate(chunks) if c.sequence is victim), None)
         if index is not None:
             given = chunks.pop(index).num_tokens
             held = set(victim.block_table)
-            kept = [(src, dst) for src, dst in copies if dst not in held]
-            copied, copies[:] = len(kept) < len(copies), kept
-        # a swap-out runs before the step's copies (and swap-ins, which may have freed host blocks)
-        self._preempt(victim, None if copied or swap_in else swap_out)
+            copies[:] = [(src, dst) for src, dst in copies if dst not in held]
+        # Swapped out only if it has no chunk in this step: else its table holds blocks taken for
+        # that chunk, and maybe a copy-on-write block the step's copies (after swap-outs) would fill.
+        # Nor after a swap-in of this step, which may have freed the host blocks a swap-out takes.
+        self._preempt(victim, None if index is not None or swap_in else swap_out)
         self._step_preempted_for_priority = True
         log.info("preempted %s (priority %d) for %s (priority %d)", victim.request_id, victim.priority,
                  req.request_id, req.priority)
