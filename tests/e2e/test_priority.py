@@ -59,7 +59,7 @@ def test_high_priorities_finish_first_and_outputs_are_unchanged(priority_server)
             await asyncio.wait_for(started.wait(), 60)  # the low streams run and fill the pool
             high_tasks = [asyncio.create_task(stream(s, url, body(p, 8, HIGH, stream=True))) for p in highs]
             loaded = await asyncio.gather(*low_tasks, *high_tasks)
-            alone = [await stream(s, url, body(p, n, 0)) for p, n in [*((p, 180) for p in lows),
+            alone = [await stream(s, url, body(p, n, 0, stream=True)) for p, n in [*((p, 180) for p in lows),
                                                                        *((p, 8) for p in highs)]]
             return loaded, alone
 
