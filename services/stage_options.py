@@ -4,7 +4,9 @@ which `pagedserve serve` takes its own flags (`SERVE_GROUPS`, with the launcher'
 
 An option group is declared once, beside the code that owns it; a flag of `serve`
 reaches every stage that takes its group, forwarded whole (`--max-num-seqs` reaches the
-scheduler, which schedules within it, and the executor, sized for it). Importing this
+scheduler, which schedules within it, and the executor, sized for it; `--scheduling-policy`
+reaches the scheduler, which orders by it, and the gateway, which refuses a priority under
+fcfs). Importing this
 module loads no stage's code (no torch, no aiohttp, no transformers).
 """
 
@@ -14,15 +16,15 @@ import argparse
 
 from services.executor.options import ExecutorOptions, ParallelOptions
 from services.gateway.options import GatewayOptions
-from services.scheduler.options import SchedulerOptions
+from services.scheduler.options import SchedulerOptions, SchedulingOptions
 from services.tokenizer.options import TokenizerOptions
 from shared.config import BatchLimits, ContextOptions, EngineName, LogOptions, ModelOptions, add_address_args
 from shared.options import add_options, from_args, option_classes, to_argv
 
 STAGE_GROUPS: dict[str, tuple[type, ...]] = {
-    "gateway": (ModelOptions, GatewayOptions, LogOptions),
+    "gateway": (ModelOptions, GatewayOptions, SchedulingOptions, LogOptions),
     "tokenizer": (ModelOptions, ContextOptions, TokenizerOptions, LogOptions),
-    "scheduler": (EngineName, BatchLimits, ContextOptions, SchedulerOptions, LogOptions),
+    "scheduler": (EngineName, BatchLimits, ContextOptions, SchedulerOptions, SchedulingOptions, LogOptions),
     "executor": (ModelOptions, EngineName, ExecutorOptions, ParallelOptions, LogOptions),
 }
 

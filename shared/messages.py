@@ -117,6 +117,7 @@ class GenerateRequest(Struct, tag=True):
     messages: list[ChatMessage] | None = None
     chat: ChatOptions | None = None
     add_special_tokens: bool | None = None  # None: the default for the prompt's kind
+    priority: int = 0  # lower is served first (--scheduling-policy priority); copied into the TokenizedRequest
 
 
 class AbortRequest(Struct, tag=True):
@@ -166,6 +167,9 @@ class TokenizedRequest(Struct, tag=True):
     # which the client has. The scheduler recomputes prompt + these and generates on after
     # them, as after a preemption; set by the gateway, never by a tokenizer replica.
     output_token_ids: list[int] = []
+    # the request's `priority` (GenerateRequest.priority): lower is scheduled first, under
+    # --scheduling-policy priority; under fcfs only 0 is accepted
+    priority: int = 0
 
 
 class RequestError(Struct, tag=True):

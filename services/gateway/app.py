@@ -9,7 +9,8 @@ for the first message before it sends headers, so an error the pipeline finds ea
 event followed by [DONE]. A handler that leaves early (client gone, timeout) aborts
 its request through the EngineClient. `Admission` decides first whether a request may
 enter at all (API key, draining, every stage alive, queue bound), after `HostCheck` (the
-Host names served); the parser holds each request to the gateway's `RequestLimits`.
+Host names served); the parser holds each request to the gateway's `RequestLimits`. A
+non-zero `priority` is a 400 unless the engines schedule by it (`--scheduling-policy priority`).
 
 Clients are held to `client_timeout_s`: a body must be application/json (415 otherwise,
 so a web page cannot post one from a browser without a CORS preflight) and arrive in
@@ -102,9 +103,11 @@ class Gateway:
         pooling: str = "mean",
         hidden_size: int = 0,
         reasoning_parser: str | None = None,
+        scheduling_policy: str = "fcfs",
     ):
         self.limits, self.host_check = limits, host_check
         self.reasoning_parser = reasoning_parser  # reasoning.py: a chat answer's thinking as reasoning_content
+        self.scheduling_policy = scheduling_policy  # the engines' (--scheduling-policy): fcfs refuses a priority
         self.client, self.tracker, self.metrics = client, tracker, metrics
         self.admission = admission or Admission(None, None, lambda: 0, lambda: None)
         self.max_body_bytes = max_body_bytes
@@ -177,6 +180,11 @@ class Gateway:
             parsed = parse(parse_json(await self._read_body(request)), self.model_names, self.limits)
         except ApiError as exc:
             return error_response(exc)
+        if parsed.priority and self.scheduling_policy != "priority":
+            return error_response(ApiError(
+                f"'priority' needs a server started with --scheduling-policy priority; this one schedules "
+                f"{self.scheduling_policy} (first come, first served), so only priority 0 is accepted.",
+                param="priority"))
         refused = self.admission.check_capacity()
         if refused is not None:
             self.metrics.rejected.labels(reason=refused.code or refused.error_type).inc()

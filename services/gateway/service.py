@@ -98,7 +98,8 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
     gateway = Gateway(client, tracker, metrics, served, {served, args.model}, args.request_timeout, args.model,
                       admission, args.max_request_bytes, args.client_timeout, from_args(RequestLimits, args),
                       HostCheck(args.allowed_hosts, args.host), resolve_pooling(args.pooling, model_dir),
-                      model_hidden_size(model_dir), reasoning_parser=args.reasoning_parser)
+                      model_hidden_size(model_dir), reasoning_parser=args.reasoning_parser,
+                      scheduling_policy=args.scheduling_policy)
     hub = DashboardHub(metrics, client.watch_pool)
     tasks = [loop.create_task(client.run_reader()), loop.create_task(client.run_upkeep()),
              loop.create_task(_read_status(status, tracker, watchdog, hub, publisher)),

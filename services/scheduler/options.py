@@ -1,5 +1,6 @@
 """The scheduler's options (`SchedulerOptions`; its step limits are shared.config's
-`BatchLimits`, which the executor is sized for too), and the check of those limits
+`BatchLimits`, which the executor is sized for too; its `SchedulingOptions`, which the
+gateway takes too, so that it refuses a `priority` the scheduler would not honour), and the check of those limits
 against the ones an executor reports it was sized for (`fit_to_executor`)."""
 
 from __future__ import annotations
@@ -33,6 +34,19 @@ class SchedulerOptions:
                                                  "treated as lost (its requests are recomputed when it answers "
                                                  f"again); {WARMUP_FACTOR}x that for the first step after it "
                                                  "starts, which may compile kernels")
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True)
+class SchedulingOptions:
+    """scheduling policy (the scheduler and the gateway)"""
+
+    scheduling_policy: str = option("fcfs", "fcfs: first come, first served (a request's non-zero 'priority' is "
+                                            "refused); priority: by each request's 'priority', lower first, ties "
+                                            "by arrival, and a waiting request preempts running ones of a lower "
+                                            "priority when it finds no room", choices=SCHEDULING_POLICIES)
 
 
 def fit_to_executor(own: BatchLimits, ready: ExecutorReady) -> BatchLimits:

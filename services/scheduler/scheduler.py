@@ -18,6 +18,20 @@ is not swapped back in, and if the step fails (`undo_swaps`) the host blocks, ne
 written, are freed and the sequence is recomputed instead.
 The pool itself may change under it (`replace_pool`: an executor that came back with
 another pool): every request then recomputes on the new one.
+Under `scheduling_policy` "priority" (fcfs, the default, refuses a non-zero priority) both
+queues are kept in the order of `priority_queue.rank`, (priority, arrival): the waiting
+queue is a `PriorityWaiting` (a bisect insert each, no sort per step) and the running list
+is inserted into in order, so the running loop serves higher priorities first and its
+victim, the last, is the lowest priority and the latest arrival among equals. A waiting
+sequence that finds no room (no KV blocks or no running slot) has the running sequence of
+the lowest priority preempted for it, as above (recompute or swap), while that one's
+priority is strictly lower (a larger value): never one of an equal or higher priority. A
+victim that has a chunk in the step being built loses it and its block copies, and is
+recomputed, not swapped (its table holds blocks taken for that chunk, maybe a copy-on-write
+one that the step's copies, which run after swap-outs, would fill); after such a preemption
+no sequence is swapped back in within that step, since a swap-in could overwrite a block
+the step still copies from. `schedule_ahead` never preempts: when it would, the next step
+is left to `schedule`. A low priority can wait as long as higher ones keep coming.
 Requests whose gateway (`reply_to`) is in `held` (its replies cannot go out now) are
 skipped: they keep their blocks but run no further until released.
 A resumed request (its first engine was lost) comes with its output so far
@@ -40,16 +54,19 @@ Pure logic: it builds the step message but never touches a socket.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import random
 from collections import deque
 from dataclasses import dataclass
+from itertools import pairwise
 
 from services.scheduler import beam_search
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.executor_states import ExecutorStates
 from services.scheduler.host_block_pool import HostBlockPool
+from services.scheduler.priority_queue import PriorityWaiting, rank
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 from services.scheduler.validation import request_problem, resume_problem, token_limit
 from shared.messages import (
@@ -77,6 +94,7 @@ class SchedulerConfig:
     # an ExecuteStep's encoded size stays under this (estimated); block moves are not counted,
     # so leave room for them below the socket's limit
     max_step_bytes: int = MAX_MESSAGE_BYTES // 4
+    scheduling_policy: str = "fcfs"  # or "priority" (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -98,7 +116,8 @@ class Scheduler:
         self.swap = swap if config.preemption_mode == "swap" else None
         self.num_swapped_out_total = 0
         self.num_swapped_in_total = 0
-        self.waiting: deque[Sequence] = deque()
+        self.by_priority = config.scheduling_policy == "priority"
+        self.waiting: deque[Sequence] | PriorityWaiting = PriorityWaiting() if self.by_priority else deque()
         self.running: list[Sequence] = []
         self.groups: dict[str, SequenceGroup] = {}  # request id -> its samples or beams
         self.num_preemptions_total = 0
@@ -116,6 +135,8 @@ class Scheduler:
         self.executor_states = ExecutorStates()  # what the executor holds of each sequence
         self._step_bytes = 0  # of the step being built, estimated
         self._step_new: set[str] = set()  # requests whose state the step being built carries
+        self._step_preempted_for_priority = False  # then the step being built swaps nothing in
+        self._priority_blocked = False  # schedule_ahead left a preemption for priority to `schedule`
 
     # --- requests in and out -------------------------------------------------------
 
@@ -126,6 +147,8 @@ class Scheduler:
         if problem is None and req.num_resumed_tokens:
             problem = resume_problem(req.num_prompt_tokens, req.output_token_ids[: req.num_resumed_tokens],
                                      req.params, self.config.max_model_len, self.config.vocab_size)
+        if problem is None and req.priority and not self.by_priority:
+            problem = "priority needs a scheduler started with --scheduling-policy priority (this one is fcfs)"
         if problem is not None:
             return problem
         if req.max_total_tokens > self.config.max_model_len:
@@ -296,8 +319,15 @@ class Scheduler:
             self.blocks.fork(parent, child)
             child.status = SequenceStatus.RUNNING
             self.groups[parent.request_id].seqs.append(child)
-            self.running.append(child)
+            self._add_running(child)
         parent.pending_forks = 0
+
+    def _add_running(self, req: Sequence) -> None:
+        """Into the running list: at the end, or under the priority policy behind those of its rank or better."""
+        if self.by_priority:
+            bisect.insort_right(self.running, req, key=rank)
+        else:
+            self.running.append(req)
 
     def fail_rows(self, chunks: list[ScheduledChunk], failed: list[FailedRow]) -> list[tuple[Sequence, FailedRow]]:
         """End the requests of the step's rows the executor failed alone, before the result is
@@ -325,6 +355,7 @@ class Scheduler:
         """The next step. Called only once every step before it has been answered (its
         result applied, or `undo_swaps` after it failed), so their swap-outs are done."""
         self._swap_outs.clear()
+        self._priority_blocked = False
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         copies: list[tuple[int, int]] = []
@@ -374,7 +405,7 @@ class Scheduler:
                 i = 0
 
         if not preempted and not full:
-            self._admit_waiting(budget, chunks, swap_in)
+            self._admit_waiting(budget, chunks, swap_in, copies, swap_out)
         return self._assemble(chunks, self._seqs(chunks), copies, swap_out, swap_in)
 
     def schedule_ahead(self, in_flight: list[ScheduledChunk]) -> tuple[ExecuteStep, list[ScheduledChunk]] | None:
@@ -396,7 +427,7 @@ class Scheduler:
         finished (EOS, a stop token) computed one token for nothing, and its chunk here is
         skipped like any sequence that ended while its step ran.
         """
-        going = self._ahead_of(in_flight)
+        going = None if self._priority_blocked else self._ahead_of(in_flight)
         if going is None:
             return None
         budget = self.config.max_num_batched_tokens
@@ -451,6 +482,7 @@ class Scheduler:
     def _start_step(self) -> None:
         self._step_bytes = 0
         self._step_new.clear()
+        self._step_preempted_for_priority = False
 
     def _fits_bytes(self, req: Sequence, num_tokens: int) -> bool:
         """Whether a chunk of num_tokens of req keeps the step being built under max_step_bytes
@@ -474,20 +506,61 @@ class Scheduler:
         if not self.executor_states.holds_request(req.request_id):
             self._step_new.add(req.request_id)
 
-    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk], swap_in: list[tuple[int, int]]) -> None:
-        """Admit waiting sequences in order while the budget, the running cap and the pool allow."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk], swap_in: list[tuple[int, int]],
+                       copies: list[tuple[int, int]] | None = None,
+                       swap_out: list[tuple[int, int]] | None = None) -> None:
+        """Admit waiting sequences in order while the budget, the running cap and the pool allow;
+        under the priority policy one that finds no room has lower priorities preempted for it
+        (`_preempt_for`), when swap_out is given (by `schedule`, not `schedule_ahead`)."""
+        while self.waiting and budget > 0:
             req = self._next_waiting()
             if req is None:
                 break
-            try:
-                if not self._admit(req, budget, chunks, swap_in):
+            if len(self.running) >= self.config.max_num_seqs:
+                admitted = None
+            else:
+                try:
+                    admitted = self._admit(req, budget, chunks, swap_in)
+                except Exception as exc:
+                    self._doom(req, exc)
+                    continue
+            if admitted is None:  # no room: a running slot or KV blocks
+                given = self._preempt_for(req, chunks, copies, swap_out, swap_in)
+                if given is None:
                     break
-            except Exception as exc:
-                self._doom(req, exc)
+                budget += given
                 continue
+            if not admitted:
+                break
             if chunks and chunks[-1].sequence is req:
                 budget -= chunks[-1].num_tokens
+
+    def _preempt_for(self, req: Sequence, chunks: list[ScheduledChunk], copies: list[tuple[int, int]] | None,
+                     swap_out: list[tuple[int, int]] | None, swap_in: list[tuple[int, int]]) -> int | None:
+        """Priority policy: preempt the last running sequence (the lowest priority, the latest
+        arrival among equals) for req, which found no room, if its priority is strictly lower.
+        A chunk of it in this step is taken out, with its block copies. Returns the tokens it
+        gives back to the step's budget; None when nothing may give way (always under fcfs)."""
+        if not self.by_priority or not self.running or self.running[-1].priority <= req.priority:
+            return None
+        if swap_out is None:  # schedule_ahead never preempts: the step after it is built by schedule
+            self._priority_blocked = True
+            return None
+        victim = self.running.pop()
+        given = 0
+        index = next((k for k, c in enumerate(chunks) if c.sequence is victim), None)
+        if index is not None:
+            given = chunks.pop(index).num_tokens
+            held = set(victim.block_table)
+            copies[:] = [(src, dst) for src, dst in copies if dst not in held]
+        # Swapped out only if it has no chunk in this step: else its table holds blocks taken for
+        # that chunk, and maybe a copy-on-write block the step's copies (after swap-outs) would fill.
+        # Nor after a swap-in of this step, which may have freed the host blocks a swap-out takes.
+        self._preempt(victim, None if index is not None or swap_in else swap_out)
+        self._step_preempted_for_priority = True
+        log.info("preempted %s (priority %d) for %s (priority %d)", victim.request_id, victim.priority,
+                 req.request_id, req.priority)
+        return given
 
     def _seqs(self, chunks: list[ScheduledChunk]) -> list[ScheduledSeq | None]:
         """The step's entries of these chunks; None for one whose request failed building it."""
@@ -526,16 +599,20 @@ class Scheduler:
             return self.waiting[0]
         return next((r for r in self.waiting if r.reply_to not in self.held), None)
 
-    def _admit(self, req: Sequence, budget: int, chunks: list[ScheduledChunk], swap_in: list[tuple[int, int]]) -> bool:
+    def _admit(self, req: Sequence, budget: int, chunks: list[ScheduledChunk],
+               swap_in: list[tuple[int, int]]) -> bool | None:
         """Start the first waiting sequence if it fits (or make room by preempting an
-        idle beam); False when nothing more can be admitted this step."""
+        idle beam); None when it finds no KV blocks, False when nothing more can be
+        admitted this step for another reason."""
         restoring = bool(req.swapped_blocks)
         if restoring and any(req in reqs for reqs in self._swap_outs.values()):
             return False  # its swap-out is in the step in flight, not known to be done
+        if restoring and self._step_preempted_for_priority:
+            return False  # it could be swapped into a block this step's copies still read
         if restoring:
             n = self._chunk_size(req, req.num_computed_tokens, budget)
             if not self.blocks.can_restore(req, n):
-                return self._preempt_idle_beam(chunks)
+                return self._preempt_idle_beam(chunks) or None
             if n and not self._fits_bytes(req, n):
                 return False
             swap_in.extend(zip(req.swapped_blocks, self.blocks.restore(req, n), strict=True))
@@ -548,14 +625,14 @@ class Scheduler:
             if n and cost is None:  # over the step's bytes: checked before anything is allocated
                 return False
             if self.blocks.allocate_slots(req, n, computed) is None:
-                return self._preempt_idle_beam(chunks)
+                return self._preempt_idle_beam(chunks) or None
             if n:
                 self._count_step_cost(req, cost)
             if req.num_preemptions == 0 and req.num_output_tokens == req.num_resumed_tokens:
                 req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
         self.waiting.remove(req)
         req.status = SequenceStatus.RUNNING
-        self.running.append(req)
+        self._add_running(req)
         if n == 0:  # the cache already holds everything before the fork point
             self._fork(req)
         else:
@@ -751,7 +828,10 @@ class Scheduler:
         if not parent.block_table:  # the parent was preempted: so is its child
             beam.num_computed_tokens = 0
         beam.status = parent.status if parent.block_table else SequenceStatus.WAITING
-        (self.running if beam.status is SequenceStatus.RUNNING else self.waiting).append(beam)
+        if beam.status is SequenceStatus.RUNNING:
+            self._add_running(beam)
+        else:
+            self.waiting.append(beam)
         self.groups[parent.request_id].seqs.append(beam)
         return beam
 
@@ -790,5 +870,8 @@ class Scheduler:
             self.swap.check_invariants([r.swapped_blocks for r in live])
         # a swap-out whose step is not answered yet is not swapped back in
         assert not any(r.status is SequenceStatus.RUNNING for reqs in self._swap_outs.values() for r in reqs)
+        if self.by_priority:
+            self.waiting.check_invariants()
+            assert all(rank(a) <= rank(b) for a, b in pairwise(self.running)), "running out of order"
         assert set(self.running) | set(self.waiting) == set(live)
         assert len(self.running) + len(self.waiting) == len(live)

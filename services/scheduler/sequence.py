@@ -57,6 +57,7 @@ class Sequence:
     # a resumed request (TokenizedRequest.output_token_ids): the output it came with, which its
     # gateway has; recomputed with the prompt, as after a preemption, and never sent again
     num_resumed_tokens: int = 0
+    priority: int = 0  # the request's (TokenizedRequest.priority): lower first under the priority policy
 
     @property
     def fork_at(self) -> int:
@@ -71,7 +72,7 @@ class Sequence:
             self.request_id, self.prompt_token_ids, msgspec.structs.replace(self.params, seed=seed),
             self.eos_token_ids, self.arrival_time, reply_to=self.reply_to,
             block_hashes=list(self.block_hashes), seq_index=seq_index, prompt_logprobs=self.prompt_logprobs,
-            num_cached_tokens=self.num_cached_tokens, compiled_grammar=self.compiled_grammar,
+            num_cached_tokens=self.num_cached_tokens, compiled_grammar=self.compiled_grammar, priority=self.priority,
         )
 
     @property

@@ -172,7 +172,8 @@ class SchedulerService:
         max_len = min(msg.max_model_len, self.args.max_model_len or msg.max_model_len)
         limits = fit_to_executor(from_args(BatchLimits, self.args), msg)
         config = SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens, max_len,
-                                 self.args.preemption_mode, msg.vocab_size)
+                                 self.args.preemption_mode, msg.vocab_size,
+                                 scheduling_policy=self.args.scheduling_policy)
         if config.preemption_mode == "swap" and not msg.num_swap_blocks:
             log.warning("--preemption-mode swap without executor swap space: preempted requests recompute")
         blocks = make_allocator(self.args.kv_policy, msg.num_kv_blocks, msg.block_size, max_len,
@@ -278,7 +279,8 @@ class SchedulerService:
             return
         req = Sequence(msg.request_id, list(msg.prompt_token_ids), msg.params, frozenset(msg.eos_token_ids),
                        msg.arrival_time, reply_to=peer, compiled_grammar=msg.compiled_grammar,
-                       output_token_ids=list(msg.output_token_ids), num_resumed_tokens=len(msg.output_token_ids))
+                       output_token_ids=list(msg.output_token_ids), num_resumed_tokens=len(msg.output_token_ids),
+                       priority=msg.priority)
         problem = self.scheduler.check_fits(req)
         if problem is None and msg.request_id in self.scheduler.groups:
             problem = f"request id {msg.request_id!r} is already in use"

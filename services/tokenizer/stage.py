@@ -100,7 +100,7 @@ class TokenizerStage:
             return
         params = self.prompts.resolve_max_tokens(req.params, len(ids))
         answer = TokenizedRequest(request_id=req.request_id, prompt_token_ids=ids, params=params,
-                                  eos_token_ids=self.eos_token_ids, arrival_time=time.time())
+                                  eos_token_ids=self.eos_token_ids, arrival_time=time.time(), priority=req.priority)
         if params.structured is None:
             self._to_gateway(answer)
             return

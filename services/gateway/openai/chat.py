@@ -10,7 +10,7 @@ import msgspec
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai.errors import ApiError, type_name, wrong_type
 from services.gateway.openai.fields import CHAT, CHAT_ROLES
-from services.gateway.openai.readers import boolean
+from services.gateway.openai.readers import boolean, integer
 from services.gateway.openai.request import ParsedRequest, check_common, stream_flags
 from services.gateway.openai.sampling import check_work, generation_params, logprob_count, read_max_tokens
 from services.gateway.openai.tools import ToolError, parse_tools
@@ -57,6 +57,7 @@ def parse_chat(body: dict, model_names: set[str], limits: RequestLimits = DEFAUL
         "chat", params, stream, include_usage, boolean(body, "return_token_ids", False),
         messages=messages, chat=chat, add_special_tokens=boolean(body, "add_special_tokens", None),
         tool_mode=tool_mode, include_reasoning=boolean(body, "include_reasoning", True),
+        priority=integer(body, "priority", 0),
     )
 
 

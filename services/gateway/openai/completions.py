@@ -6,7 +6,7 @@ from __future__ import annotations
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai.errors import ApiError, wrong_type
 from services.gateway.openai.fields import COMPLETION, DEFAULT_COMPLETION_MAX_TOKENS
-from services.gateway.openai.readers import boolean, is_token_id
+from services.gateway.openai.readers import boolean, integer, is_token_id
 from services.gateway.openai.request import ParsedRequest, check_common, stream_flags
 from services.gateway.openai.sampling import check_work, generation_params, logprob_count, read_max_tokens
 
@@ -30,7 +30,7 @@ def parse_completion(body: dict, model_names: set[str], limits: RequestLimits = 
     return ParsedRequest(
         "completion", params, stream, include_usage, boolean(body, "return_token_ids", False),
         prompt=prompt, prompt_token_ids=prompt_ids, echo_only=echo_only, batch=batch,
-        add_special_tokens=boolean(body, "add_special_tokens", None),
+        add_special_tokens=boolean(body, "add_special_tokens", None), priority=integer(body, "priority", 0),
     )
 
 

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 # Accepted and ignored: bookkeeping, routing and hints that leave the tokens unchanged.
 HARMLESS = frozenset({
-    "metadata", "store", "service_tier", "request_id", "priority", "prompt_cache_key",
+    "metadata", "store", "service_tier", "request_id", "prompt_cache_key",
     "safety_identifier", "cache_prompt", "modalities", "mm_processor_kwargs",
     "kv_transfer_params", "vllm_xargs", "id_slot", "slot_id", "t_max_predict_ms",
 })

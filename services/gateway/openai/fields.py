@@ -187,6 +187,8 @@ FIELDS: tuple[Field, ...] = (
     Field("stream_options", {"type": "object", "properties": {"include_usage": _BOOLEAN}}, _GEN),
     Field("cache_salt", {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS,
                          "description": "vLLM's: requests with different salts share no cached KV"}, _GEN),
+    Field("priority", _integer(-(2**63), INT64_MAX, "vLLM's: lower is served first, ties by arrival (needs "
+                               "--scheduling-policy priority; under fcfs only 0)"), _GEN, refused_elsewhere=(0,)),
     Field("user", _STRING, _GEN, nullable=False),  # read by nobody: it does not change the answer
     # /tokenize, /detokenize
     Field("prompt", _STRING, frozenset({TOKENIZE}), nullable=False),

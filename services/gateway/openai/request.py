@@ -33,6 +33,7 @@ class ParsedRequest:
     tool_mode: ToolMode | None = None  # chat with tools: how the answer becomes tool_calls
     batch: list[tuple[str | None, list[int] | None]] | None = None  # several prompts: (text, ids) each
     include_reasoning: bool = True  # chat with a reasoning parser: show reasoning_content
+    priority: int = 0  # lower first under --scheduling-policy priority (the gateway refuses it under fcfs)
 
     @property
     def num_prompts(self) -> int:
@@ -42,7 +43,7 @@ class ParsedRequest:
         return GenerateRequest(
             request_id=request_id, params=self.params, prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids, messages=self.messages, chat=self.chat,
-            add_special_tokens=self.add_special_tokens,
+            add_special_tokens=self.add_special_tokens, priority=self.priority,
         )
 
     def to_generates(self, request_id: str) -> list[GenerateRequest]:
@@ -50,7 +51,7 @@ class ParsedRequest:
         if not self.batch:
             return [self.to_generate(request_id)]
         return [GenerateRequest(request_id=f"{request_id}-{i}", params=self.params, prompt=text, prompt_token_ids=ids,
-                                add_special_tokens=self.add_special_tokens)
+                                add_special_tokens=self.add_special_tokens, priority=self.priority)
                 for i, (text, ids) in enumerate(self.batch)]
 
 
