@@ -1,4 +1,5 @@
-"""The gateway's HTTP routes: OpenAI completions and chat, models, health, metrics.
+"""The gateway's HTTP routes: OpenAI completions and chat, Anthropic messages (anthropic/routes.py),
+models, health, metrics.
 
 A generation handler validates the body, sends the request down the pipeline and turns
 the TextDeltas that come back into one JSON object or an SSE stream. A stream waits
@@ -28,6 +29,7 @@ import msgspec
 from aiohttp import web
 
 from services.gateway.admission import RETRY_AFTER_S, Admission
+from services.gateway.anthropic.routes import MessagesRoutes
 from services.gateway.batch_stream import BatchStream
 from services.gateway.engine_client import EngineClient, EngineError, RequestStream, RequestTimeout
 from services.gateway.health import StageTracker
@@ -109,6 +111,7 @@ class Gateway:
         self.model_root = os.path.basename(root.rstrip("/\\")) if os.path.isabs(root) else root
         self.created = int(time.time())
         self.tokens = TokenizeRoutes(client, self.model_names, self._read_body, error_response)
+        self.anthropic = MessagesRoutes(self, _engine_api_error)
 
     def make_app(self) -> web.Application:
         checks = [self.admission.middleware()]
@@ -125,6 +128,7 @@ class Gateway:
             web.get("/health", self.health),
             web.get("/metrics", self.metrics_page),
             web.get("/openapi.json", self.openapi),
+            *self.anthropic.routes(),
         ])
         return app
 
