@@ -92,8 +92,23 @@ def test_what_is_not_built_or_not_valid_is_refused_by_name(body, param):
     assert refused(**body) == param
 
 
+def test_consecutive_turns_of_a_role_are_one_turn():
+    req = parse(messages=[*ASK, {"role": "user", "content": [{"type": "text", "text": "Today."}]}])
+    assert req.parsed.messages == [ChatMessage("user", "Weather in Paris?\nToday.")]
+
+
+def test_output_config_format_is_a_json_schema_constraint():
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    params = parse(output_config={"format": {"type": "json_schema", "schema": schema}}).parsed.params
+    assert params.structured.kind == "json_schema" and json.loads(params.structured.spec) == schema
+    assert refused(output_config={"effort": "high"}) == "output_config"
+    assert refused(tools=[{**WEATHER, "strict": True}]) == "tools"  # auto calls are not held to the schema
+    assert parse(tools=[{**WEATHER, "strict": True}], tool_choice={"type": "any"}).parsed.tool_mode.constrained
+
+
 def test_neutral_values_pass():
-    assert parse(n=1, stop=None, thinking={"type": "disabled"}, parallel_tool_calls=True).parsed == parse().parsed
+    assert parse(n=1, stop=None, thinking={"type": "disabled"}, parallel_tool_calls=True, cache_control={
+        "type": "ephemeral"}, speed="fast", inference_geo="us", service_tier="auto").parsed == parse().parsed
     assert parse(seed=3).parsed.params.seed == 3  # a chat extension field keeps its meaning
 
 
@@ -227,3 +242,14 @@ def test_errors_are_anthropic_shaped_with_their_statuses(tmp_path, contexts, smo
         (401, "authentication_error"), (415, "invalid_request_error"), (200, None)]
     assert all(b["type"] == "error" and b["error"]["message"] for _, b in got[:-1])
     assert "max_tokens" in got[0][1]["error"]["message"] and "x-api-key" in got[2][1]["error"]["message"]
+
+
+def test_the_routes_are_in_the_openapi_description_with_anthropic_errors():
+    from services.gateway.openai.openapi import openapi_spec
+
+    spec = openapi_spec(["tiny"], secured=True)
+    post = spec["paths"]["/v1/messages"]["post"]
+    assert post["requestBody"]["content"]["application/json"]["schema"]["required"] == ["max_tokens", "messages"]
+    assert post["responses"]["401"]["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicError")
+    assert "/v1/messages/count_tokens" in spec["paths"] and {"apiKey": []} in spec["security"]
+    assert spec["components"]["securitySchemes"]["apiKey"] == {"type": "apiKey", "in": "header", "name": "x-api-key"}

@@ -9,8 +9,11 @@ Translated:
   continues it (continue_final_message);
 - `tools` (name, description, input_schema) and `tool_choice` (auto, any -> required, tool ->
   a named function, none; `disable_parallel_tool_use`) -> the chat tools;
-- `stop_sequences` -> stop, `max_tokens` (required, >= 1) -> max_tokens; `temperature`,
-  `top_p`, `top_k`, `stream`, `model` and `metadata` have the chat path's own meaning.
+- `stop_sequences` -> stop, `max_tokens` (required, >= 1) -> max_tokens; `output_config.format`
+  (a JSON schema) -> the json_schema response_format; `temperature`, `top_p`, `top_k`, `stream`,
+  `model` and `metadata` have the chat path's own meaning; consecutive turns of one role are one
+  turn, as Anthropic merges them. Caching hints (`cache_control`), routing and attribution
+  fields (`speed`, `inference_geo`, `service_tier`, ...) are accepted: they leave the answer as it is.
 Any other field goes to the chat body as it is, so the chat field policy applies to it (an
 extension such as `seed` or `min_p` works; one that would change the answer and is not built
 is refused). Refused by name here: the chat fields this API does in its own way or whose answer
@@ -32,7 +35,11 @@ from services.gateway.openai.readers import integer
 from services.gateway.openai.request import ParsedRequest
 
 # read here and not passed on: the chat body gets their translation
-_TRANSLATED = frozenset({"system", "messages", "max_tokens", "stop_sequences", "tools", "tool_choice", "thinking"})
+_TRANSLATED = frozenset({"system", "messages", "max_tokens", "stop_sequences", "tools", "tool_choice", "thinking",
+                         "output_config"})
+# accepted and not passed on: caching hints (the prefix cache needs none), routing, attribution
+_HARMLESS = frozenset({"cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id", "workspace_id",
+                       "anthropic_version", "anthropic_beta"})
 # refused unless "not used" (field_policy.is_unused): name -> its neutral values
 _REFUSED = {
     # the chat path's fields that a Messages field replaces, or whose answer a message cannot hold
@@ -60,7 +67,7 @@ def parse_messages_request(body: dict, model_names: set[str], limits: RequestLim
                            count_only: bool = False) -> MessagesRequest:
     """count_only: a /v1/messages/count_tokens body (no max_tokens needed)."""
     _refuse_fields(body)
-    chat = {k: v for k, v in body.items() if k not in _TRANSLATED}
+    chat = {k: v for k, v in body.items() if k not in _TRANSLATED and k not in _HARMLESS}
     messages = _system(body.get("system")) + _messages(body.get("messages"))
     if messages[-1]["role"] == "assistant":  # a prefill: the answer continues it
         chat.update(add_generation_prompt=False, continue_final_message=True)
@@ -71,6 +78,7 @@ def parse_messages_request(body: dict, model_names: set[str], limits: RequestLim
     if stops:
         chat["stop"] = stops
     _thinking(body.get("thinking"))
+    _output_config(body.get("output_config"), chat)
     single = _tools(body, chat)
     if count_only:
         chat.pop("stream", None)
@@ -107,6 +115,26 @@ def _thinking(value) -> None:
     if value is None or (isinstance(value, dict) and value.get("type") == "disabled"):
         return
     raise ApiError("'thinking' is not supported by this server: only {\"type\": \"disabled\"}.", param="thinking")
+
+
+def _output_config(config, chat: dict) -> None:
+    """`format` (a JSON schema the answer follows) is the chat path's json_schema response_format;
+    `effort` is refused: no model here reads it."""
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise wrong_type("output_config", "an object", config)
+    if config.get("effort") is not None:
+        raise ApiError("'output_config.effort' is not supported by this server.", param="output_config")
+    fmt = config.get("format")
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise ApiError("'output_config.format' must be {\"type\": \"json_schema\", \"schema\": object}.",
+                       param="output_config")
+    if chat.get("response_format") is not None:
+        raise ApiError("'output_config.format' and 'response_format' cannot both be given.", param="output_config")
+    chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def _text_blocks(where: str, blocks) -> str:
@@ -150,11 +178,16 @@ def _messages(messages) -> list[dict]:
             raise ApiError(f"{where}.role must be user or assistant, got {role!r}.", param=where)
         content = msg.get("content")
         if isinstance(content, str):
-            out.append({"role": role, "content": content})
+            turn = [{"role": role, "content": content}]
         elif isinstance(content, list):
-            out += _turn(where, role, content)
+            turn = _turn(where, role, content)
         else:
             raise wrong_type(f"{where}.content", "a string or an array of content blocks", content)
+        if out and out[-1]["role"] == turn[0]["role"] != "tool":  # consecutive turns of a role are one turn
+            last, first = out[-1], turn.pop(0)
+            last["content"] = "\n".join(t for t in (last["content"], first["content"]) if t)
+            last["tool_calls"] = last.get("tool_calls", []) + first.get("tool_calls", [])
+        out += turn
     if not out:
         raise ApiError("'messages' holds no content.", param="messages")
     return out
@@ -213,6 +246,11 @@ def _tools(body: dict, chat: dict) -> bool:
             raise wrong_type("tools", "an array", tools)
         chat["tools"] = [_tool(f"tools[{i}]", t) for i, t in enumerate(tools)]
         names = [t["function"]["name"] for t in chat["tools"]]
+    strict = isinstance(tools, list) and any(isinstance(t, dict) and t.get("strict") is True for t in tools)
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if strict and kind not in ("any", "tool"):  # only a forced call is held to its schema (by the grammar)
+        raise ApiError("'strict' tools need tool_choice any or tool: only a forced call is held to its schema.",
+                       param="tools")
     if choice is None:
         return False
     kind = choice.get("type") if isinstance(choice, dict) else None
