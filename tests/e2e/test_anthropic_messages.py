@@ -61,14 +61,15 @@ def test_an_async_message(tiny_server):
 
 
 def test_stop_sequences_end_the_message(client):
-    # greedy text of the random model, then stop at a piece of it
-    whole = client.messages.create(model=MODEL, max_tokens=12, messages=ASK, **GREEDY)
+    # the random model's greedy text (EOS ignored, so there is some), then stop at a piece of it:
+    # a visible one where there is one (its text is mostly newlines)
+    greedy = {"extra_body": {"temperature": 0, "ignore_eos": True}}
+    whole = client.messages.create(model=MODEL, max_tokens=16, messages=ASK, **greedy)
     text = "".join(b.text for b in whole.content)
-    stop = text[len(text) // 2:][:3]
-    if not stop.strip():
-        pytest.skip("the greedy text has no piece to stop at")
-    msg = client.messages.create(model=MODEL, max_tokens=12, messages=ASK, **GREEDY, stop_sequences=[stop])
-    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
+    start = next((i for i in range(1, len(text) - 1) if not text[i].isspace()), 1)
+    stop = text[start:start + 2]
+    msg = client.messages.create(model=MODEL, max_tokens=16, messages=ASK, stop_sequences=[stop], **greedy)
+    assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", stop), text
     assert "".join(b.text for b in msg.content) == text[:text.index(stop)]
 
 

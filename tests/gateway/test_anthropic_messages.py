@@ -244,6 +244,17 @@ def test_errors_are_anthropic_shaped_with_their_statuses(tmp_path, contexts, smo
     assert "max_tokens" in got[0][1]["error"]["message"] and "x-api-key" in got[2][1]["error"]["message"]
 
 
+def test_a_named_call_is_a_tool_use_even_with_raw_control_characters():
+    from services.gateway.anthropic.message import content_blocks
+    from services.gateway.openai.tools import ToolMode
+
+    named = ToolMode("named", ("get_weather",), "get_weather")
+    blocks, made = asyncio.run(content_blocks(named, '{"city": "a\x17b"}', False))
+    assert made and blocks[0]["input"] == {"city": "a\x17b"}
+    cut = asyncio.run(content_blocks(named, '{"city": "Pa', False))  # cut short by max_tokens: text
+    assert cut == ([{"type": "text", "text": '{"city": "Pa'}], False)
+
+
 def test_the_routes_are_in_the_openapi_description_with_anthropic_errors():
     from services.gateway.openai.openapi import openapi_spec
 

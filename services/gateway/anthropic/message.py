@@ -43,8 +43,8 @@ def stop_reason(finish_reason: str | None, stopped_by, stop_sequences: tuple[str
 
 
 def _tool_use(call: ToolCall) -> dict | None:
-    try:
-        args = json.loads(call.arguments)
+    try:  # not strict: the grammar lets a string hold raw control characters
+        args = json.loads(call.arguments, strict=False)
     except (ValueError, RecursionError):
         return None
     if not isinstance(args, dict):
