@@ -1,7 +1,9 @@
 """Who may send a generation request now: API key, draining, scheduler presence, queue bound.
 
-Checks run before a request enters the pipeline and answer with an OpenAI-style error:
-401 without the API key (on every route but /openapi.json and the dashboard page; /health and /metrics are
+Checks run before a request enters the pipeline and answer with an OpenAI-style error (an
+Anthropic-shaped one on the /v1/messages routes):
+401 without the API key, sent as `Authorization: Bearer <key>` or as Anthropic's `x-api-key: <key>`
+(on every route but /openapi.json and the dashboard page; /health and /metrics are
 open only with --metrics-public, since they tell who is using the server how much), 503 while draining at shutdown or while a stage (tokenizer, scheduler,
 executor) has no live instance, 429
 with Retry-After once max_queued requests already wait for their first token.
@@ -14,6 +16,7 @@ import os
 
 from aiohttp import web
 
+from services.gateway.anthropic import errors as anthropic_errors
 from services.gateway.dashboard_http import OPEN_PATHS as DASHBOARD_PAGES
 from services.gateway.openai.errors import ApiError
 from services.gateway.options import API_KEY_ENV
@@ -45,8 +48,11 @@ class Admission:
         scheme, _, token = given.partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             return None
+        x_api_key = request.headers.get("x-api-key")
+        if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), self.api_key.encode()):
+            return None
         return ApiError(
-            "Missing or invalid API key: send 'Authorization: Bearer <key>'.", 401,
+            "Missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.", 401,
             error_type="authentication_error", code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
@@ -72,6 +78,8 @@ class Admission:
         async def check_api_key(request: web.Request, handler):
             err = self.check_key(request)
             if err is not None:
+                if anthropic_errors.is_anthropic_path(request.path):
+                    return anthropic_errors.error_response(err)
                 return web.json_response(err.body(), status=err.status, headers=err.headers)
             return await handler(request)
 

@@ -1,5 +1,5 @@
-"""The gateway's HTTP routes: OpenAI completions and chat, models, health, metrics (embeddings:
-`embedding_routes`).
+"""The gateway's HTTP routes: OpenAI completions and chat, Anthropic messages (anthropic/routes.py),
+models, health, metrics (embeddings: `embedding_routes`).
 
 A generation handler validates the body, sends the request down the pipeline and turns
 the TextDeltas that come back into one JSON object or an SSE stream (a chat answer's
@@ -31,6 +31,7 @@ import msgspec
 from aiohttp import web
 
 from services.gateway.admission import RETRY_AFTER_S, Admission
+from services.gateway.anthropic.routes import MessagesRoutes
 from services.gateway.batch_stream import BatchStream
 from services.gateway.embedding_routes import EmbeddingRoutes
 from services.gateway.engine_client import EngineClient, EngineError, RequestStream, RequestTimeout
@@ -121,6 +122,7 @@ class Gateway:
         self.tokens = TokenizeRoutes(client, self.model_names, self._read_body, error_response)
         self.embedding_routes = EmbeddingRoutes(self, pooling, hidden_size)
         self.error, self.engine_error, self.dumps = error_response, _engine_api_error, _dumps
+        self.anthropic = MessagesRoutes(self, _engine_api_error)
 
     def make_app(self) -> web.Application:
         checks = [self.admission.middleware()]
@@ -138,6 +140,7 @@ class Gateway:
             web.get("/health", self.health),
             web.get("/metrics", self.metrics_page),
             web.get("/openapi.json", self.openapi),
+            *self.anthropic.routes(),
         ])
         return app
 

@@ -55,6 +55,18 @@ def test_api_key_is_required_on_every_route_but_the_openapi_description(server):
     assert KEY not in server.log()  # the key reaches the gateway in its environment, not on a command line
 
 
+def test_anthropics_x_api_key_is_accepted_like_the_bearer_key(server):
+    anthropic = pytest.importorskip("anthropic")
+    ask = {"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    with anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0) as client:  # sends x-api-key
+        assert client.messages.create(**ask).usage.output_tokens <= 2
+    with anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0) as client:
+        with pytest.raises(anthropic.AuthenticationError) as info:
+            client.messages.create(**ask)
+        assert info.value.body["error"]["type"] == "authentication_error"  # Anthropic's shape on its routes
+    assert get(server.url + "/v1/models", headers={"x-api-key": KEY})[0] == 200  # on every route
+
+
 def test_errors_and_descriptions_do_not_reveal_file_paths(server, tiny_model_dir):
     status, _, err = asyncio.run(post(server.url, json.dumps({"model": "nope", "prompt": "hi"}).encode(), AUTH))
     assert status == 404 and "tiny-llama" in err["error"]["message"]

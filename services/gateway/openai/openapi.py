@@ -7,6 +7,8 @@ schema-valid bodies must not cause a 5xx, invalid ones must get documented 4xx e
 
 from __future__ import annotations
 
+from services.gateway.anthropic.openapi import SCHEMAS as ANTHROPIC_SCHEMAS
+from services.gateway.anthropic.openapi import anthropic_paths
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai import embeddings
 from services.gateway.openai.fields import CHAT, COMPLETION, DETOKENIZE, TOKENIZE, request_schema
@@ -124,7 +126,8 @@ def openapi_spec(model_names: list[str], secured: bool, metrics_public: bool = F
     spec = {
         "openapi": "3.0.3",
         "info": {"title": "pagedserve", "version": "0.1.0",
-                 "description": "OpenAI-compatible completions and chat completions over PagedAttention."},
+                 "description": "OpenAI-compatible completions and chat completions, and Anthropic's "
+                                "Messages API, over PagedAttention."},
         "paths": {
             "/v1/completions": _generation("Complete a prompt", request_schema(COMPLETION, lim, model_names),
                                            "Completion"),
@@ -137,6 +140,7 @@ def openapi_spec(model_names: list[str], secured: bool, metrics_public: bool = F
                 "responses": {"200": {"description": "One embedding per input", "content": {"application/json": {
                     "schema": embeddings.RESPONSE_SCHEMA}}}, **_GENERATION_ERRORS}}},
             **_tokenize_paths(model_names, lim),
+            **anthropic_paths(model_names, lim),
             "/v1/models": {"get": {"summary": "The served model", "responses": {
                 "200": {"description": "Models", "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/ModelList"}}}},
@@ -152,11 +156,12 @@ def openapi_spec(model_names: list[str], secured: bool, metrics_public: bool = F
                 "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
             }}},
         },
-        "components": {"schemas": _SCHEMAS},
+        "components": {"schemas": {**_SCHEMAS, **ANTHROPIC_SCHEMAS}},
     }
     if secured:
-        spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        spec["security"] = [{"bearer": []}]
+        spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                                 "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+        spec["security"] = [{"bearer": []}, {"apiKey": []}]  # either one
         if not metrics_public:  # then /health and /metrics need the key too
             for path in ("/health", "/metrics"):
                 get = spec["paths"][path]["get"]
