@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -74,6 +75,9 @@ def load() -> ModuleType | None:
 
         name = extension_name()
         directory = build_dir() / name
+        built = _load_built(name, directory / f"{name}.so")
+        if built is not None:
+            return built
         directory.mkdir(parents=True, exist_ok=True)
         flags = ["-O3", "-fopenmp", f"-march={march()}"]
         return cpp_extension.load(
@@ -88,6 +92,23 @@ def load() -> ModuleType | None:
     except Exception as exc:  # a missing compiler, ninja or header must not take the executor down
         log.warning("CPU kernels unavailable (%s: %s); attention runs on the torch reference",
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+
+
+def _load_built(name: str, so: Path) -> ModuleType | None:
+    """The extension built before under this name, loaded as it is. The name hashes the
+    sources, torch and the ISA, so any checkout may use it; going through ninja again would
+    rebuild it whenever another checkout's paths or mtimes differ (worktrees clobbered one
+    build directory that way, and a build killed midway left executors waiting on its lock)."""
+    if not so.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, so)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (ImportError, OSError) as exc:  # a half-written file: build it again
+        log.warning("cannot load %s (%s); rebuilding it", so, exc)
         return None
 
 
