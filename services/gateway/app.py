@@ -1,4 +1,5 @@
-"""The gateway's HTTP routes: OpenAI completions and chat, models, health, metrics.
+"""The gateway's HTTP routes: OpenAI completions and chat, models, health, metrics (and the
+Responses API's, from services/gateway/responses_api/).
 
 A generation handler validates the body, sends the request down the pipeline and turns
 the TextDeltas that come back into one JSON object or an SSE stream. A stream waits
@@ -42,6 +43,7 @@ from services.gateway.openai.request import parse_json, public_model_names
 from services.gateway.openai.responses import ResponseBuilder, new_request_id
 from services.gateway.options import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from services.gateway.output_text import TextDelta
+from services.gateway.responses_api.routes import ResponsesRoutes
 from services.gateway.tokenize_routes import TokenizeRoutes
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,7 @@ class Gateway:
         self.model_root = os.path.basename(root.rstrip("/\\")) if os.path.isabs(root) else root
         self.created = int(time.time())
         self.tokens = TokenizeRoutes(client, self.model_names, self._read_body, error_response)
+        self.responses = ResponsesRoutes(self, error_response, _engine_api_error)
 
     def make_app(self) -> web.Application:
         checks = [self.admission.middleware()]
@@ -125,6 +128,7 @@ class Gateway:
             web.get("/health", self.health),
             web.get("/metrics", self.metrics_page),
             web.get("/openapi.json", self.openapi),
+            *self.responses.routes(),
         ])
         return app
 
