@@ -249,3 +249,16 @@ def test_a_stream_sends_typed_numbered_events_and_calls_found_in_the_text(tmp_pa
         assert done["item_id"] == call["id"] and done["output_index"] == 1 and done["arguments"] == call["arguments"]
 
     serve(tmp_path, contexts, smollm2_tokenizer, go)
+
+
+def test_openapi_describes_the_routes_and_only_fields_that_are_read():
+    from services.gateway.openai.openapi import openapi_spec
+    from services.gateway.responses_api.fields import PASSED, READ
+
+    spec = openapi_spec(["m"], secured=False)
+    post = spec["paths"]["/v1/responses"]["post"]
+    body = post["requestBody"]["content"]["application/json"]["schema"]
+    assert set(body["properties"]) - {"user"} <= READ | PASSED and {"input", "text", "tools"} <= set(body["properties"])
+    assert "404" in spec["paths"]["/v1/responses/{response_id}"]["get"]["responses"]
+    assert set(spec["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
+    assert "Response" in spec["components"]["schemas"]

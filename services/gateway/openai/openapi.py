@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai.fields import CHAT, COMPLETION, DETOKENIZE, TOKENIZE, request_schema
+from services.gateway.responses_api.openapi import responses_paths
 
 
 def _nullable(schema: dict) -> dict:
@@ -120,16 +121,18 @@ def _generation(summary: str, request_schema: dict, response_ref: str) -> dict:
 
 def openapi_spec(model_names: list[str], secured: bool, metrics_public: bool = False,
                  lim: RequestLimits = DEFAULT_LIMITS) -> dict:
+    responses, response_schemas = responses_paths(model_names, lim.max_tools, _GENERATION_ERRORS)
     spec = {
         "openapi": "3.0.3",
         "info": {"title": "pagedserve", "version": "0.1.0",
-                 "description": "OpenAI-compatible completions and chat completions over PagedAttention."},
+                 "description": "OpenAI-compatible completions, chat completions and responses over PagedAttention."},
         "paths": {
             "/v1/completions": _generation("Complete a prompt", request_schema(COMPLETION, lim, model_names),
                                            "Completion"),
             "/v1/chat/completions": _generation("Answer a chat", request_schema(CHAT, lim, model_names),
                                                 "ChatCompletion"),
             **_tokenize_paths(model_names, lim),
+            **responses,
             "/v1/models": {"get": {"summary": "The served model", "responses": {
                 "200": {"description": "Models", "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/ModelList"}}}},
@@ -145,7 +148,7 @@ def openapi_spec(model_names: list[str], secured: bool, metrics_public: bool = F
                 "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
             }}},
         },
-        "components": {"schemas": _SCHEMAS},
+        "components": {"schemas": {**_SCHEMAS, **response_schemas}},
     }
     if secured:
         spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
