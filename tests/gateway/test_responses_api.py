@@ -262,3 +262,11 @@ def test_openapi_describes_the_routes_and_only_fields_that_are_read():
     assert "404" in spec["paths"]["/v1/responses/{response_id}"]["get"]["responses"]
     assert set(spec["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
     assert "Response" in spec["components"]["schemas"]
+
+
+def test_an_error_of_the_chat_path_names_the_responses_field():
+    deep = {"type": "object"}
+    for _ in range(DEFAULT_LIMITS.max_schema_depth + 2):
+        deep = {"type": "object", "properties": {"a": deep}}
+    err = refused({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": deep}}})
+    assert err.param == "text.format" and "'text.format'" in err.message and "response_format" not in err.message

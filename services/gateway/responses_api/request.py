@@ -68,8 +68,10 @@ def parse_responses(body: dict, model_names: set[str], limits: RequestLimits, st
     try:
         chat = parse_chat(chat_body, model_names, limits)
     except ApiError as exc:
-        param = _PARAMS.get((exc.param or "").split("[")[0], exc.param)
-        raise ApiError(exc.message, exc.status, param, exc.error_type, exc.code, exc.headers) from exc
+        param, message = _PARAMS.get((exc.param or "").split("[")[0], exc.param), exc.message
+        for chat_name, name in _PARAMS.items():
+            message = message.replace(f"'{chat_name}", f"'{name}")
+        raise ApiError(message, exc.status, param, exc.error_type, exc.code, exc.headers) from exc
     echo = {
         "instructions": instructions, "max_output_tokens": max_output, "metadata": _metadata(body.get("metadata")),
         "parallel_tool_calls": boolean(body, "parallel_tool_calls", True),
