@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import given
 from hypothesis import strategies as st
@@ -20,10 +21,11 @@ from services.gateway.metrics import Metrics
 from services.gateway.openai.errors import ApiError
 from services.gateway.responses_api.request import parse_responses
 from services.gateway.responses_api.store import ResponseStore
-from shared.messages import ChatMessage, TokenDelta, ToolCall
+from shared.messages import ChatMessage, RequestError, TokenDelta, ToolCall
 from tests.gateway.engine_stand_ins import EOS, started, stopped
 
 MODELS = {"m"}
+GATEWAY = web.AppKey("gateway", Gateway)
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}}, "required": ["city"]}}
 
@@ -168,7 +170,9 @@ def serve(tmp_path, contexts, tok, go):
     async def main():
         client, reader, (tokenizer,), sched, _ = await started(tmp_path, contexts, tok)
         gateway = Gateway(client, StageTracker(), Metrics(), "m", MODELS, 10.0)
-        async with TestClient(TestServer(gateway.make_app())) as http:
+        app = gateway.make_app()
+        app[GATEWAY] = gateway
+        async with TestClient(TestServer(app)) as http:
             await go(http, tokenizer, sched, tok)
         await stopped(reader)
 
@@ -270,3 +274,33 @@ def test_an_error_of_the_chat_path_names_the_responses_field():
         deep = {"type": "object", "properties": {"a": deep}}
     err = refused({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": deep}}})
     assert err.param == "text.format" and "'text.format'" in err.message and "response_format" not in err.message
+
+
+def test_an_engine_error_is_an_http_error_before_output_and_an_error_event_after(tmp_path, contexts,
+                                                                                 smollm2_tokenizer):
+    async def go(http, tokenizer, sched, tok):
+        post = asyncio.create_task(http.post("/v1/responses", json={"input": "Hi"}))
+        await tokenizer.answer()
+        forwarded = await sched.take()
+        sched.sock.send(sched.peer, RequestError(forwarded.request_id, 400, "no token left", param="text"))
+        resp = await post
+        assert resp.status == 400 and (await resp.json())["error"]["message"] == "no token left"
+        assert len(gateway_store(http)) == 0
+
+        post = asyncio.create_task(http.post("/v1/responses", json={"input": "Hi", "stream": True}))
+        await tokenizer.answer()
+        forwarded = await sched.take()
+        sched.send(TokenDelta(forwarded.request_id, tok.encode(" Hello"), 3))
+        await asyncio.sleep(0.1)
+        sched.sock.send(sched.peer, RequestError(forwarded.request_id, 500, "the engine failed", "internal_error"))
+        events = events_of(await (await post).text())
+        assert events[-1]["type"] == "error" and events[-1]["message"] == "the engine failed"
+        assert events[-1]["sequence_number"] == len(events) - 1
+        assert "response.output_text.delta" in [e["type"] for e in events]
+        assert len(gateway_store(http)) == 0  # nothing kept of a failed response
+
+    serve(tmp_path, contexts, smollm2_tokenizer, go)
+
+
+def gateway_store(http) -> ResponseStore:
+    return http.server.app[GATEWAY].responses.store
