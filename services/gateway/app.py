@@ -1,5 +1,6 @@
-"""The gateway's HTTP routes: OpenAI completions and chat, Anthropic messages (anthropic/routes.py),
-models, health, metrics (embeddings: `embedding_routes`).
+"""The gateway's HTTP routes: OpenAI completions and chat, models, health, metrics; Anthropic
+messages (anthropic/routes.py), embeddings (embedding_routes.py) and the Responses API
+(responses_api/) plug in here.
 
 A generation handler validates the body, sends the request down the pipeline and turns
 the TextDeltas that come back into one JSON object or an SSE stream (a chat answer's
@@ -47,6 +48,7 @@ from services.gateway.openai.request import parse_json, public_model_names
 from services.gateway.openai.responses import ResponseBuilder, new_request_id
 from services.gateway.options import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from services.gateway.output_text import TextDelta
+from services.gateway.responses_api.routes import ResponsesRoutes
 from services.gateway.tokenize_routes import TokenizeRoutes
 
 log = logging.getLogger(__name__)
@@ -123,6 +125,7 @@ class Gateway:
         self.embedding_routes = EmbeddingRoutes(self, pooling, hidden_size)
         self.error, self.engine_error, self.dumps = error_response, _engine_api_error, _dumps
         self.anthropic = MessagesRoutes(self, _engine_api_error)
+        self.responses = ResponsesRoutes(self, error_response, _engine_api_error)
 
     def make_app(self) -> web.Application:
         checks = [self.admission.middleware()]
@@ -141,6 +144,7 @@ class Gateway:
             web.get("/metrics", self.metrics_page),
             web.get("/openapi.json", self.openapi),
             *self.anthropic.routes(),
+            *self.responses.routes(),
         ])
         return app
 

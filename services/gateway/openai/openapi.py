@@ -12,6 +12,7 @@ from services.gateway.anthropic.openapi import anthropic_paths
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai import embeddings
 from services.gateway.openai.fields import CHAT, COMPLETION, DETOKENIZE, TOKENIZE, request_schema
+from services.gateway.responses_api.openapi import responses_paths
 
 
 def _nullable(schema: dict) -> dict:
@@ -123,11 +124,12 @@ def _generation(summary: str, request_schema: dict, response_ref: str) -> dict:
 
 def openapi_spec(model_names: list[str], secured: bool, metrics_public: bool = False,
                  lim: RequestLimits = DEFAULT_LIMITS) -> dict:
+    responses, response_schemas = responses_paths(model_names, lim.max_tools, _GENERATION_ERRORS)
     spec = {
         "openapi": "3.0.3",
         "info": {"title": "pagedserve", "version": "0.1.0",
-                 "description": "OpenAI-compatible completions and chat completions, and Anthropic's "
-                                "Messages API, over PagedAttention."},
+                 "description": "OpenAI-compatible completions, chat completions, responses and embeddings, and "
+                                "Anthropic's Messages API, over PagedAttention."},
         "paths": {
             "/v1/completions": _generation("Complete a prompt", request_schema(COMPLETION, lim, model_names),
                                            "Completion"),
@@ -141,6 +143,7 @@ def openapi_spec(model_names: list[str], secured: bool, metrics_public: bool = F
                     "schema": embeddings.RESPONSE_SCHEMA}}}, **_GENERATION_ERRORS}}},
             **_tokenize_paths(model_names, lim),
             **anthropic_paths(model_names, lim),
+            **responses,
             "/v1/models": {"get": {"summary": "The served model", "responses": {
                 "200": {"description": "Models", "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/ModelList"}}}},
@@ -156,7 +159,7 @@ def openapi_spec(model_names: list[str], secured: bool, metrics_public: bool = F
                 "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
             }}},
         },
-        "components": {"schemas": {**_SCHEMAS, **ANTHROPIC_SCHEMAS}},
+        "components": {"schemas": {**_SCHEMAS, **ANTHROPIC_SCHEMAS, **response_schemas}},
     }
     if secured:
         spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
