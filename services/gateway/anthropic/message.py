@@ -2,18 +2,22 @@
 of its stream.
 
 A message is `{"id": "msg_...", "type": "message", "role": "assistant", "content": [blocks],
-"model", "stop_reason", "stop_sequence", "usage": {"input_tokens", "output_tokens"}}`. The blocks
-are the answer's text and, with tools, the calls the chat path's tool machinery finds in it
+"model", "stop_reason", "stop_sequence", "usage": {"input_tokens", "output_tokens"}}`. With the
+server's `--reasoning-parser`, each delta's thinking is split off first (services/gateway/reasoning.py):
+with thinking enabled it is a first `{"type": "thinking", "thinking", "signature": ""}` block (no
+signature: nothing here signs it), otherwise dropped; the rest of the blocks are made of the content
+alone. The blocks are the answer's text and, with tools, the calls the chat path's tool machinery finds in it
 (services/gateway/openai/tools.py) as `tool_use` blocks (`input` the call's arguments, an
 object; a call whose arguments are not one, as when max_tokens cut it short, stays text).
 stop_reason: "max_tokens" when the length ran out, "stop_sequence" (with `stop_sequence`) when
 one of the request's stop_sequences ended it, "tool_use" when it made calls, else "end_turn".
 
 A stream sends message_start (with the input tokens) and a ping, then each block as
-content_block_start, content_block_delta (text_delta or input_json_delta) and
-content_block_stop, then message_delta (stop_reason and usage) and message_stop. Text streams
-as it comes; with tools (other than tool_choice none) the answer is held back, as on the chat
-path, and its blocks are sent whole at the end.
+content_block_start, content_block_delta (thinking_delta, text_delta or input_json_delta) and
+content_block_stop, then message_delta (stop_reason and usage) and message_stop. Thinking and
+text stream as they come (no signature_delta: the signature stays the start's ""); with tools
+(other than tool_choice none) the content is held back, as on the chat path, and its blocks are
+sent whole at the end (the thinking still streams before them).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import uuid
 
 from services.gateway.openai.tools import ToolMode, extract_calls_off_loop
+from services.gateway.reasoning import make_parser
 from shared.messages import ToolCall
 
 
@@ -67,8 +72,10 @@ class MessageShape:
     """One request's message: its counts as the deltas come, then the body or the stream's events."""
 
     def __init__(self, message_id: str, model: str, mode: ToolMode | None, stop_sequences: tuple[str, ...],
-                 single_call: bool = False):
+                 single_call: bool = False, reasoning_parser: str | None = None, show_thinking: bool = False):
         self.id, self.model = message_id, model
+        self._reasoning = make_parser(reasoning_parser)
+        self.show_thinking = show_thinking and self._reasoning is not None
         self.mode = mode if mode is not None and mode.choice != "none" else None
         self.stop_sequences, self.single_call = stop_sequences, single_call
         self.input_tokens = self.output_tokens = 0
@@ -83,6 +90,17 @@ class MessageShape:
             return True
         return False
 
+    def split(self, msg) -> tuple[str, str]:
+        """A TextDelta's (thinking, content): all content without a reasoning parser, no thinking
+        unless it is shown. Call once per delta, in order (the last one hands over what was held)."""
+        if self._reasoning is None:
+            return "", msg.text
+        thinking, content = self._reasoning.feed(msg.text)
+        if msg.finish_reason is not None:
+            more_thinking, more_content = self._reasoning.finish()
+            thinking, content = thinking + more_thinking, content + more_content
+        return (thinking if self.show_thinking else ""), content
+
     def _ending(self, made_calls: bool) -> tuple[str, str | None]:
         reason, sequence = stop_reason(self.finish_reason, self.stopped_by, self.stop_sequences)
         return ("tool_use", None) if made_calls and reason == "end_turn" else (reason, sequence)
@@ -94,8 +112,11 @@ class MessageShape:
         return {"id": self.id, "type": "message", "role": "assistant", "content": content, "model": self.model,
                 "stop_reason": reason, "stop_sequence": sequence, "usage": usage}
 
-    async def full(self, text: str) -> dict:
+    async def full(self, text: str, thinking: str = "") -> dict:
+        """text: the content; thinking: what split() showed of the thinking."""
         blocks, made_calls = await content_blocks(self.mode, text, self.single_call)
+        if thinking:
+            blocks.insert(0, {"type": "thinking", "thinking": thinking, "signature": ""})
         return self._message(blocks, *self._ending(made_calls), self.usage())
 
     # --- a stream: (event name, data) pairs -----------------------------------------------
@@ -111,28 +132,44 @@ class EventStream:
 
     def __init__(self, shape: MessageShape):
         self.shape = shape
-        self._held: list[str] = []  # with tools: the answer so far, sent as blocks at the end
-        self._open = False  # the streamed text block was started
+        self._held: list[str] = []  # with tools: the content so far, sent as blocks at the end
+        self._blocks = 0  # blocks started so far: the last one's index is this - 1
+        self._open: str | None = None  # the type of the block being streamed, if one is
 
-    def on_text(self, text: str) -> list[tuple[str, dict]]:
+    def on_delta(self, thinking: str, text: str) -> list[tuple[str, dict]]:
+        """The events of a delta's (thinking, content), as MessageShape.split gives them."""
+        events = []
+        if thinking:
+            events += self._into({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(_delta(self._blocks - 1, {"type": "thinking_delta", "thinking": thinking}))
         if self.shape.mode is not None:
             self._held.append(text)
+        elif text:
+            events += self._into({"type": "text", "text": ""})
+            events.append(_delta(self._blocks - 1, {"type": "text_delta", "text": text}))
+        return events
+
+    def _into(self, block: dict) -> list[tuple[str, dict]]:
+        """Start a block of this one's type unless one is open (closing another type's)."""
+        if self._open == block["type"]:
             return []
-        if not text:
+        events = self._close()
+        self._open, self._blocks = block["type"], self._blocks + 1
+        return events + [_block_start(self._blocks - 1, block)]
+
+    def _close(self) -> list[tuple[str, dict]]:
+        if self._open is None:
             return []
-        events = [] if self._open else [_block_start(0, {"type": "text", "text": ""})]
-        self._open = True
-        return events + [_delta(0, {"type": "text_delta", "text": text})]
+        self._open = None
+        return [_block_stop(self._blocks - 1)]
 
     async def end(self) -> list[tuple[str, dict]]:
         """The rest of the events, once the answer ended."""
-        made_calls, events = False, []
+        made_calls, events = False, self._close()
         if self.shape.mode is not None:
             blocks, made_calls = await content_blocks(self.shape.mode, "".join(self._held), self.shape.single_call)
-            for index, block in enumerate(blocks):
-                events += _whole_block(index, block)
-        elif self._open:
-            events.append(_block_stop(0))
+            for offset, block in enumerate(blocks):
+                events += _whole_block(self._blocks + offset, block)
         reason, sequence = self.shape._ending(made_calls)
         events.append(("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason,
                                                                             "stop_sequence": sequence},

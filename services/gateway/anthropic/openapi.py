@@ -31,8 +31,12 @@ def _body(lim: RequestLimits, model_names: list[str], count_only: bool) -> dict:
         "tool_choice": {"type": "object", "required": ["type"], "properties": {
             "type": {"type": "string", "enum": ["auto", "any", "tool", "none"]}, "name": _STRING,
             "disable_parallel_tool_use": {"type": "boolean"}}},
-        "thinking": {"type": "object", "description": "only {\"type\": \"disabled\"}", "properties": {
-            "type": {"type": "string", "enum": ["disabled"]}}},
+        "thinking": {"type": "object", "required": ["type"], "description": "enabled or adaptive: the thinking as a "
+                     "first thinking block (needs --reasoning-parser; budget_tokens is not enforced beyond "
+                     "max_tokens); disabled or absent: dropped", "properties": {
+                         "type": {"type": "string", "enum": ["enabled", "adaptive", "disabled"]},
+                         "budget_tokens": {"type": "integer", "minimum": 1024},
+                         "display": {"type": "string", "enum": ["summarized", "omitted"]}}},
     }
     if not count_only:
         props.update({
@@ -79,7 +83,7 @@ SCHEMAS = {
         "id": _STRING, "type": {"type": "string", "enum": ["message"]},
         "role": {"type": "string", "enum": ["assistant"]},
         "content": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
-            "type": {"type": "string", "enum": ["text", "tool_use"]}}}},
+            "type": {"type": "string", "enum": ["thinking", "text", "tool_use"]}}}},
         "model": _STRING,
         "stop_reason": {"type": "string", "enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
         "stop_sequence": {**_STRING, "nullable": True},

@@ -2,7 +2,7 @@
 
 /v1/messages runs as a chat completion does (services/gateway/app.py): the body parsed (415 unless
 JSON, 408 / 413 from the body read), admission (503 / 429), the request sent down the pipeline
-and its TextDeltas shaped (message.py) into one message or an SSE stream of Anthropic's events. A
+and its TextDeltas shaped (message.py; the thinking split off first with `--reasoning-parser`) into one message or an SSE stream of Anthropic's events. A
 stream waits for the first delta before it sends headers, so an early error (a prompt too long)
 is still a plain HTTP error; a later one is an `error` event. A client that stops reading is cut
 off after one write stalls client_timeout_s; leaving early aborts the request (the stream's exit).
@@ -48,7 +48,8 @@ class MessagesRoutes:
         if request.content_type != "application/json":
             raise ApiError("The request body must be JSON, sent with 'Content-Type: application/json'.", 415)
         body = parse_json(await self.gw._read_body(request))
-        return parse_messages_request(body, self.gw.model_names, self.gw.limits, count_only=count_only)
+        return parse_messages_request(body, self.gw.model_names, self.gw.limits, count_only=count_only,
+                                      reasoning_parser=self.gw.reasoning_parser)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         try:
@@ -76,7 +77,7 @@ class MessagesRoutes:
             return error_response(refused)
         message_id = new_message_id()
         shape = MessageShape(message_id, gw.served_model_name, req.parsed.tool_mode, req.stop_sequences,
-                             req.single_call)
+                             req.single_call, gw.reasoning_parser, req.show_thinking)
         timer = gw.metrics.track(1)
         try:
             async with gw.client.open(req.parsed.to_generate(message_id), gw.timeout_s) as stream:
@@ -90,14 +91,17 @@ class MessagesRoutes:
             return error_response(gw._timeout_error())
 
     async def _collect(self, stream: RequestStream, msg, shape: MessageShape, timer) -> web.Response:
-        texts = []
+        texts, thoughts = [], []
         while True:
             timer.on_delta(msg)
-            texts.append(msg.text)
-            if shape.record(msg):
+            done = shape.record(msg)
+            thinking, text = shape.split(msg)
+            thoughts.append(thinking)
+            texts.append(text)
+            if done:
                 break
             msg = await stream.next()
-        body = await shape.full("".join(texts))
+        body = await shape.full("".join(texts), "".join(thoughts))
         return web.json_response(body, dumps=lambda obj: _json.encode(obj).decode())
 
     async def _stream(self, request: web.Request, stream: RequestStream, msg, shape: MessageShape,
@@ -124,7 +128,7 @@ class MessagesRoutes:
                 while True:
                     timer.on_delta(msg)
                     done = shape.record(msg)
-                    await send(events.on_text(msg.text))
+                    await send(events.on_delta(*shape.split(msg)))
                     if done:
                         break
                     msg = await stream.next()

@@ -10,7 +10,9 @@ Translated:
 - `tools` (name, description, input_schema) and `tool_choice` (auto, any -> required, tool ->
   a named function, none; `disable_parallel_tool_use`) -> the chat tools;
 - `stop_sequences` -> stop, `max_tokens` (required, >= 1) -> max_tokens; `output_config.format`
-  (a JSON schema) -> the json_schema response_format; `temperature`, `top_p`, `top_k`, `stream`,
+  (a JSON schema) -> the json_schema response_format; `thinking` (enabled with a `budget_tokens`
+  of at least 1024 and below max_tokens, or adaptive) -> show_thinking, which needs the server's
+  `--reasoning-parser` (a 400 without one); disabled or absent: the thinking is dropped; `temperature`, `top_p`, `top_k`, `stream`,
   `model` and `metadata` have the chat path's own meaning; consecutive turns of one role are one
   turn, as Anthropic merges them. Caching hints (`cache_control`), routing and attribution
   fields (`speed`, `inference_geo`, `service_tier`, ...) are accepted: they leave the answer as it is.
@@ -18,7 +20,7 @@ Any other field goes to the chat body as it is, so the chat field policy applies
 extension such as `seed` or `min_p` works; one that would change the answer and is not built
 is refused). Refused by name here: the chat fields this API does in its own way or whose answer
 a message cannot hold (`stop`, `n` > 1, `logprobs`, ...), and Anthropic features not built
-(`thinking` enabled, MCP servers, containers). Blocks other than text, tool_use, tool_result
+(`thinking` between_tools, MCP servers, containers). Blocks other than text, tool_use, tool_result
 and thinking (images, documents, server tools) are refused too.
 """
 
@@ -61,11 +63,13 @@ class MessagesRequest:
     parsed: ParsedRequest  # the chat path's request: template, tools, sampling, stop strings
     stop_sequences: tuple[str, ...] = ()
     single_call: bool = False  # disable_parallel_tool_use: at most one tool_use block
+    show_thinking: bool = False  # thinking enabled: the reasoning parser's thinking as a thinking block
 
 
 def parse_messages_request(body: dict, model_names: set[str], limits: RequestLimits = DEFAULT_LIMITS,
-                           count_only: bool = False) -> MessagesRequest:
-    """count_only: a /v1/messages/count_tokens body (no max_tokens needed)."""
+                           count_only: bool = False, reasoning_parser: str | None = None) -> MessagesRequest:
+    """count_only: a /v1/messages/count_tokens body (no max_tokens needed); reasoning_parser: the
+    server's `--reasoning-parser`, without which thinking cannot be enabled."""
     _refuse_fields(body)
     chat = {k: v for k, v in body.items() if k not in _TRANSLATED and k not in _HARMLESS}
     messages = _system(body.get("system")) + _messages(body.get("messages"))
@@ -77,12 +81,12 @@ def parse_messages_request(body: dict, model_names: set[str], limits: RequestLim
     stops = _stop_sequences(body)
     if stops:
         chat["stop"] = stops
-    _thinking(body.get("thinking"))
+    show_thinking = _thinking(body.get("thinking"), chat.get("max_tokens"), reasoning_parser)
     _output_config(body.get("output_config"), chat)
     single = _tools(body, chat)
     if count_only:
         chat.pop("stream", None)
-    return MessagesRequest(parse_chat(chat, model_names, limits), tuple(stops), single)
+    return MessagesRequest(parse_chat(chat, model_names, limits), tuple(stops), single, show_thinking)
 
 
 def _refuse_fields(body: dict) -> None:
@@ -111,10 +115,32 @@ def _stop_sequences(body: dict) -> list[str]:
     return stops  # counts and lengths are held to the limits as the chat path's `stop`
 
 
-def _thinking(value) -> None:
-    if value is None or (isinstance(value, dict) and value.get("type") == "disabled"):
-        return
-    raise ApiError("'thinking' is not supported by this server: only {\"type\": \"disabled\"}.", param="thinking")
+def _thinking(value, max_tokens: int | None, reasoning_parser: str | None) -> bool:
+    """Whether the answer shows its thinking. Enabled is held to Anthropic's rules (budget_tokens
+    >= 1024 and < max_tokens); the budget itself is not enforced (see the README): max_tokens
+    bounds thinking and text together, as at Anthropic. display "omitted" drops the thinking."""
+    if value is None:
+        return False
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "disabled":
+        return False
+    if kind not in ("enabled", "adaptive"):
+        raise ApiError("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": int}, {\"type\": "
+                       "\"adaptive\"} or {\"type\": \"disabled\"}.", param="thinking")
+    if kind == "enabled":
+        budget = integer(value, "budget_tokens", None)
+        if budget is None or budget < 1024:
+            raise ApiError(f"'thinking.budget_tokens' must be at least 1024, got {budget}.", param="thinking")
+        if max_tokens is not None and budget >= max_tokens:
+            raise ApiError(f"'max_tokens' must be greater than 'thinking.budget_tokens' ({budget}), got "
+                           f"{max_tokens}.", param="thinking")
+    display = value.get("display")
+    if display not in (None, "summarized", "omitted"):
+        raise ApiError("'thinking.display' must be summarized or omitted.", param="thinking")
+    if reasoning_parser is None:
+        raise ApiError("'thinking' needs a server started with --reasoning-parser (such as deepseek_r1), which "
+                       "splits the model's thinking off its answer; this one has none.", param="thinking")
+    return display != "omitted"
 
 
 def _output_config(config, chat: dict) -> None:
