@@ -81,7 +81,12 @@ def test_sampling_limits_and_output_constraints_are_the_chat_paths():
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": "hi", "truncation": "auto"}, "truncation"),
-    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"input": "hi", "reasoning": {"effort": "none", "summary": "auto"}}, "reasoning.effort"),
+    ({"input": "hi", "reasoning": {"summary": "everything"}}, "reasoning.summary"),
+    ({"input": "hi", "reasoning": {"context": "all_turns"}}, "reasoning.context"),
+    ({"input": "hi", "reasoning": {"budget": 5}}, "reasoning.budget"),
+    ({"input": "hi", "reasoning": "high"}, "reasoning"),
     ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
     ({"input": "hi", "max_tokens": 5}, "max_tokens"),  # the chat name: not read here, so not ignored either
     ({"input": "hi", "messages": [{"role": "user", "content": "x"}]}, "messages"),
