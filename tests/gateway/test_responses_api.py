@@ -75,6 +75,9 @@ def test_sampling_limits_and_output_constraints_are_the_chat_paths():
     assert named.chat.tool_mode.named == "get_weather" and named.chat.params.structured.kind == "json_schema"
     assert parse({"input": "hi", "reasoning": {"effort": None}, "truncation": "disabled", "user": "u",
                   "metadata": {"k": "v"}, "store": False}).store is False
+    accepted = {"effort": None, "summary": "detailed", "generate_summary": "auto", "context": "current_turn",
+                "mode": "standard"}
+    assert parse({"input": "hi", "reasoning": accepted}).echo["store"]
 
 
 @pytest.mark.parametrize(("body", "param"), [
