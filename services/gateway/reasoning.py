@@ -7,8 +7,8 @@ fed text deltas and returns (reasoning_delta, content_delta) for each: a marker 
 deltas is held back until it is whole or can no longer be one, so no part of a marker is
 ever emitted, and any split of a text into deltas gives the same two strings as the whole
 text in one `feed` (then `finish`, which hands over what was held). One parser per choice;
-the chat response (openai/responses.py) and the Messages API (anthropic/message.py) use it,
-and the Responses API can.
+the chat response (openai/responses.py), the Messages API (anthropic/message.py) and the
+Responses API (responses_api/thinking.py) use it.
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ class ThinkParser:
             if any(m.startswith(text[-n:]) for m in markers):
                 return n
         return 0
+
+    @property
+    def thinking(self) -> bool:
+        """No `</think>` seen yet: what comes is still reasoning."""
+        return self._thinking
 
     def finish(self) -> tuple[str, str]:
         """What was held back (a marker's start that never completed: plain reasoning text)."""

@@ -75,13 +75,21 @@ def test_sampling_limits_and_output_constraints_are_the_chat_paths():
     assert named.chat.tool_mode.named == "get_weather" and named.chat.params.structured.kind == "json_schema"
     assert parse({"input": "hi", "reasoning": {"effort": None}, "truncation": "disabled", "user": "u",
                   "metadata": {"k": "v"}, "store": False}).store is False
+    accepted = {"effort": None, "summary": "detailed", "generate_summary": "auto", "context": "current_turn",
+                "mode": "standard"}
+    assert parse({"input": "hi", "reasoning": accepted}).echo["store"]
 
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": "hi", "truncation": "auto"}, "truncation"),
-    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"input": "hi", "reasoning": {"effort": "none", "summary": "auto"}}, "reasoning.effort"),
+    ({"input": "hi", "reasoning": {"summary": "everything"}}, "reasoning.summary"),
+    ({"input": "hi", "reasoning": {"context": "all_turns"}}, "reasoning.context"),
+    ({"input": "hi", "reasoning": {"budget": 5}}, "reasoning.budget"),
+    ({"input": "hi", "reasoning": "high"}, "reasoning"),
     ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
     ({"input": "hi", "max_tokens": 5}, "max_tokens"),  # the chat name: not read here, so not ignored either
     ({"input": "hi", "messages": [{"role": "user", "content": "x"}]}, "messages"),

@@ -4,9 +4,10 @@ A Responses body is translated into the chat body the chat path reads (request.p
 checks are the chat path's own. This table decides the rest, as the chat endpoint's policy
 does (services/gateway/openai/field_policy.py): a field read here is translated; a harmless
 one (bookkeeping: metadata, user, ...) is accepted; a field that would change the answer and
-is not built (background, include, reasoning, truncation "auto", top_logprobs, conversation,
-prompt templates, and the chat-only fields such as messages or response_format) is a 400 unless
-it holds a value meaning "not used"; any other field is logged once and ignored.
+is not built (background, include, truncation "auto", top_logprobs, conversation, prompt
+templates, and the chat-only fields such as messages or response_format) is a 400 unless it
+holds a value meaning "not used"; any other field is logged once and ignored. `reasoning` is
+read, and held to its own rules (request.py: no effort, summaries accepted but not made).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 # Translated into the chat body under another name, or read here.
 READ = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "max_output_tokens",
-    "temperature", "top_p", "stream", "store", "previous_response_id", "metadata",
+    "temperature", "top_p", "stream", "store", "previous_response_id", "metadata", "reasoning",
 })
 # vLLM's sampling extras, passed to the chat path as they are.
 PASSED = frozenset({
@@ -32,7 +33,7 @@ PASSED = frozenset({
 # Responses fields that would change the answer and are not built: refused unless these values.
 NOT_BUILT: dict[str, tuple] = {
     "background": (), "conversation": (), "prompt": (), "include": (), "max_tool_calls": (),
-    "top_logprobs": (0,), "truncation": ("disabled",), "reasoning": (), "context_management": (),
+    "top_logprobs": (0,), "truncation": ("disabled",), "context_management": (),
 }
 _HARMLESS = HARMLESS | {"user", "stream_options", "safety_identifier", "prompt_cache_key", "prompt_cache_retention"}
 _REFUSED = {**UNSUPPORTED, **{f: () for f in known_fields(CHAT) - READ - PASSED - _HARMLESS}}

@@ -1,5 +1,5 @@
 """The Responses API's part of `/openapi.json`: the `POST /v1/responses` body (the fields read
-here, with the chat path's bounds), `GET` / `DELETE /v1/responses/{response_id}` and the
+here, with the chat path's bounds; `reasoning` with the values request.py accepts), `GET` / `DELETE /v1/responses/{response_id}` and the
 response object; merged into the gateway's description by services/gateway/openai/openapi.py."""
 
 from __future__ import annotations
@@ -61,6 +61,14 @@ def request_schema(model_names: list[str], max_tools: int) -> dict:
         "metadata": {"type": "object", "maxProperties": MAX_METADATA_PAIRS, "additionalProperties": {
             "type": "string", "maxLength": MAX_METADATA_VALUE}, "nullable": True,
             "description": f"keys of at most {MAX_METADATA_KEY} characters"},
+        "reasoning": {"type": "object", "nullable": True, "properties": {
+            "effort": {"type": "string", "nullable": True, "enum": [None],
+                       "description": "not settable here: only null (a value is a 400)"},
+            "summary": {"type": "string", "nullable": True, "enum": ["auto", "concise", "detailed", None],
+                        "description": "accepted; no summary is made, the reasoning item carries the whole "
+                                       "thinking (with --reasoning-parser)"},
+            "context": {"type": "string", "nullable": True, "enum": ["auto", "current_turn", None]},
+            "mode": {"type": "string", "nullable": True, "enum": ["standard", None]}}},
         "user": _STRING,
     }}
 

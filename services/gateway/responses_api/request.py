@@ -7,6 +7,13 @@ the chat shape; `text.format` as `response_format`; `max_output_tokens` as
 the request limits are checked exactly as on /v1/chat/completions; an error it raises names the
 Responses field. The fields not built here are refused by fields.py first.
 
+`reasoning`: the effort a model thinks with is not something this server can set (a prompt
+or template switch would be a guess per model), so any `effort` but null is a 400 rather
+than ignored; `summary` (and the deprecated `generate_summary`) only asks for a description of
+the thinking beside the answer, which is accepted: the reasoning item carries the whole thinking
+(with `--reasoning-parser`) and no summary. `context` may be "auto" or "current_turn" (what is
+done: earlier reasoning is never put back into the prompt), `mode` "standard".
+
 `strict` on a function tool is honoured where the call is forced (tool_choice required or named:
 the arguments follow the schema by grammar); with tool_choice auto the model's calls are parsed,
 not constrained, as vLLM does.
@@ -57,6 +64,7 @@ def parse_responses(body: dict, model_names: set[str], limits: RequestLimits, st
         raise ApiError(f"'max_output_tokens' must be at least 1, got {max_output}.", param="max_output_tokens")
     tools, tool_choice = _tools(body.get("tools")), _tool_choice(body.get("tool_choice"))
     text = _text_format(body.get("text"))
+    _reasoning(body.get("reasoning"))
     chat_body = {
         "model": body.get("model"), "max_completion_tokens": max_output,
         "messages": ([{"role": "system", "content": instructions}] if instructions else []) + messages,
@@ -94,6 +102,30 @@ def _history(body: dict, store: ResponseStore) -> list[dict]:
         raise ApiError(f"Previous response with id '{previous}' not found (it was not stored, was deleted or has "
                        f"expired).", 404, param="previous_response_id", code="previous_response_not_found")
     return list(entry.messages)
+
+
+# reasoning.<key> -> the values accepted (None: the key left out)
+_REASONING = {"effort": (None,), "summary": (None, "auto", "concise", "detailed"),
+              "generate_summary": (None, "auto", "concise", "detailed"), "context": (None, "auto", "current_turn"),
+              "mode": (None, "standard")}
+
+
+def _reasoning(reasoning) -> None:
+    if reasoning is None:
+        return
+    if not isinstance(reasoning, dict):
+        raise wrong_type("reasoning", "an object", reasoning)
+    for key, value in reasoning.items():
+        if value is None:
+            continue
+        if key == "effort":
+            raise ApiError(f"'reasoning.effort' {str(value)[:32]!r} is not supported: this server cannot set how "
+                           f"much a model thinks, so it refuses the field rather than ignore it (leave it out or "
+                           f"null).", param="reasoning.effort")
+        if key not in _REASONING or value not in _REASONING[key]:
+            accepted = ", ".join(repr(v) for v in _REASONING.get(key, (None,)))
+            raise ApiError(f"'reasoning.{str(key)[:32]}' {str(value)[:32]!r} is not supported; accepted: {accepted}.",
+                           param=f"reasoning.{str(key)[:32]}")
 
 
 def _tools(tools) -> list[dict] | None:

@@ -3,7 +3,8 @@
 
 A create is parsed into the chat path's request (request.py), admitted like any generation
 (the gateway's API key, capacity and limits), sent down the pipeline under the response's id,
-and answered whole (output.py) or as typed events (events.py). With `store` (the default) the
+and answered whole (output.py) or as typed events (events.py), its thinking split off as a
+reasoning item with a reasoning parser (thinking.py). With `store` (the default) the
 finished response, and the conversation it ends, go into the gateway's ResponseStore; an error
 before the first output is a plain HTTP error, one after it an `error` event that ends the stream.
 """
@@ -23,6 +24,7 @@ from services.gateway.responses_api.output import ResponseObject, new_id, output
 from services.gateway.responses_api.request import ResponsesRequest, parse_responses
 from services.gateway.responses_api.sse import ClientStalled, EventWriter
 from services.gateway.responses_api.store import ResponseStore
+from services.gateway.responses_api.thinking import Thinking
 
 log = logging.getLogger(__name__)
 
@@ -77,22 +79,25 @@ class ResponsesRoutes:
             return self.error_response(gw._timeout_error())
 
     async def _collect(self, stream, msg, parsed: ResponsesRequest, obj: ResponseObject, timer) -> web.Response:
+        thinking = Thinking(self.gw.reasoning_parser, parsed.chat)
         texts, cached = [], 0
         while True:
             timer.on_delta(msg)
-            texts.append(msg.text)
+            texts.append(thinking.split(msg)[1])  # the reasoning stays in thinking
             cached = max(cached, msg.num_cached_tokens)
             if msg.finish_reason is not None:
                 break
             msg = await stream.next()
         status = status_of(msg.finish_reason)
-        items = await output_items(parsed.chat.tool_mode, "".join(texts), status)
-        body = obj.body(status, items, usage(msg.num_prompt_tokens, msg.num_output_tokens, cached))
+        items = await output_items(parsed.chat.tool_mode, "".join(texts), status, thinking.text,
+                                   _reasoning_status(thinking, status))
+        body = obj.body(status, items, _usage(msg, cached, thinking))
         self._keep(parsed, body)
         return web.json_response(body)
 
     async def _stream(self, request, stream, msg, parsed: ResponsesRequest, obj: ResponseObject, timer):
         writer, events = EventWriter(request, self.gw.client_timeout_s), ResponseEvents(obj)
+        thinking = Thinking(self.gw.reasoning_parser, parsed.chat)
         mode = parsed.chat.tool_mode
         live = mode is None or mode.choice in ("none", "named")  # else parsed for calls at the end
         await writer.prepare()
@@ -101,24 +106,27 @@ class ResponsesRoutes:
                 await writer.send(events.start())
                 if mode is not None and mode.choice == "named":
                     await writer.send(events.open_call(new_id("call"), mode.named))
-                elif live:
-                    await writer.send(events.open_message())
+                elif live and thinking.parser is None:
+                    await writer.send(events.open_message())  # else opened at the answer's first text
                 texts, cached = [], 0
                 while True:
                     timer.on_delta(msg)
-                    texts.append(msg.text)
+                    reasoning, text = thinking.split(msg)
+                    texts.append(text)
                     cached = max(cached, msg.num_cached_tokens)
-                    if live:
-                        await writer.send(events.delta(msg.text))
+                    await writer.send(events.reasoning(reasoning) + (events.text(text) if live else []))
                     if msg.finish_reason is not None:
                         break
                     msg = await stream.next()
                 status = status_of(msg.finish_reason)
+                if events.reasoning_open:
+                    await writer.send(events.close(_reasoning_status(thinking, status)))
                 if live:
-                    await writer.send(events.close(status))
+                    await writer.send(events.end_live(status))
                 else:
-                    await writer.send(events.replay(await output_items(mode, "".join(texts), status), status))
-                final = events.finish(status, usage(msg.num_prompt_tokens, msg.num_output_tokens, cached))
+                    items = await output_items(mode, "".join(texts), status, thinking.text)
+                    await writer.send(events.replay([i for i in items if i["type"] != "reasoning"], status))
+                final = events.finish(status, _usage(msg, cached, thinking))
                 await writer.send([final])
                 self._keep(parsed, final["response"])
             except EngineError as exc:
@@ -141,6 +149,15 @@ class ResponsesRoutes:
 def _not_found(response_id: str) -> ApiError:
     return ApiError(f"Response with id '{response_id[:128]}' not found.", 404, param="response_id",
                     code="response_not_found")
+
+
+def _reasoning_status(thinking: Thinking, status: str) -> str:
+    """A reasoning item is complete once the thinking ended, whatever cut the answer after it."""
+    return "completed" if thinking.ended else status
+
+
+def _usage(msg, cached: int, thinking: Thinking) -> dict:
+    return usage(msg.num_prompt_tokens, msg.num_output_tokens, cached, thinking.num_tokens)
 
 
 def _error_event(events: ResponseEvents, err: ApiError) -> dict:
