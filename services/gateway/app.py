@@ -200,7 +200,9 @@ class Gateway:
         out = ResponseBuilder(
             parsed.kind, request_id, self.served_model_name, parsed.include_usage, parsed.return_token_ids,
             num_choices=parsed.params.n * parsed.num_prompts, params=parsed.params, echo_only=parsed.echo_only,
-            tool_mode=parsed.tool_mode, reasoning_parser=self.reasoning_parser,
+            tool_mode=parsed.tool_mode,
+            # a grammar-constrained answer (response_format, a forced tool call) has no thinking to split
+            reasoning_parser=self.reasoning_parser if parsed.params.structured is None else None,
             include_reasoning=parsed.include_reasoning,
         )
         timer = self.metrics.track(parsed.params.n * parsed.num_prompts)

@@ -128,7 +128,7 @@ def test_openapi_description_fuzzed_with_schemathesis(server):
         generating = operation.method.upper() == "POST"  # GETs have nothing to make invalid
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if generating else (GenerationMode.POSITIVE,):
 
-            @settings(max_examples=40 if generating else 5, deadline=None, database=None,
+            @settings(max_examples=25 if generating else 5, deadline=None, database=None,
                       suppress_health_check=list(HealthCheck))
             @given(case=operation.as_strategy(generation_mode=mode))
             def fuzz(case):

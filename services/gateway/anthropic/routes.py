@@ -77,7 +77,10 @@ class MessagesRoutes:
             return error_response(refused)
         message_id = new_message_id()
         shape = MessageShape(message_id, gw.served_model_name, req.parsed.tool_mode, req.stop_sequences,
-                             req.single_call, gw.reasoning_parser, req.show_thinking)
+                             req.single_call,
+                             # a grammar-constrained answer (a forced tool call, a format) has no thinking to split
+                             gw.reasoning_parser if req.parsed.params.structured is None else None,
+                             req.show_thinking)
         timer = gw.metrics.track(1)
         try:
             async with gw.client.open(req.parsed.to_generate(message_id), gw.timeout_s) as stream:
