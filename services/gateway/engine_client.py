@@ -221,6 +221,9 @@ class EngineClient:
             reply = await asyncio.wait_for(answer, timeout_s)
         except TimeoutError as exc:
             raise RequestTimeout from exc
+        except OverflowError as exc:  # e.g. a tool schema's integer beyond 64 bits: msgpack cannot carry it
+            raise EngineError(RequestError(msg.request_id, 400,
+                                           f"The request holds a value no stage can take: {exc}.")) from exc
         finally:
             self._calls.pop(msg.request_id, None)
         if isinstance(reply, RequestError):

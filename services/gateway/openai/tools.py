@@ -116,9 +116,11 @@ def _arguments(value) -> str:
 
 
 def _loads(text: str):
-    """The JSON value of text, or None where it is not JSON or nested too deep to decode."""
+    """The JSON value of text, or None where it is not JSON or nested too deep to decode. Raw
+    control characters inside strings are taken (strict=False): a constrained call of a small
+    model was seen with one; the arguments are dumped again, escaped, before they leave."""
     try:
-        return json.loads(text)
+        return json.loads(text, strict=False)
     except (ValueError, RecursionError):
         return None
 
