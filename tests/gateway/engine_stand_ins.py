@@ -89,3 +89,43 @@ async def started(tmp_path, contexts, tok, replicas=("t",)):
 async def stopped(reader):
     reader.cancel()
     await asyncio.gather(reader, return_exceptions=True)
+
+
+def answering_gateway(tmp_path, contexts, tok, answer: str, client, call, reasoning_parser: str | None = "deepseek_r1"):
+    """call(client(url_of)) against a real gateway on a port whose engine answers every request
+    with answer's tokens, one per delta (the text's markers split across deltas)."""
+    import asyncio
+
+    from aiohttp.test_utils import TestServer
+
+    from services.gateway.app import Gateway
+    from services.gateway.health import StageTracker
+    from services.gateway.metrics import Metrics
+    from shared.messages import TokenDelta
+
+    ids = tok.encode(answer, add_special_tokens=False)
+    assert len(ids) > 8  # the markers come in several tokens, split across deltas
+
+    async def go():
+        engine, reader, (t,), sched, _ = await started(tmp_path, contexts, tok)
+        gateway = Gateway(engine, StageTracker(), Metrics(), "m", set(), 10.0, reasoning_parser=reasoning_parser)
+        server = TestServer(gateway.make_app())
+        await server.start_server()
+
+        async def play():
+            while True:
+                got = await t.answer()
+                await sched.take()
+                for i, tid in enumerate(ids):
+                    sched.send(TokenDelta(got.request_id, [tid], 3, "stop" if i == len(ids) - 1 else None))
+                    await asyncio.sleep(0)
+
+        player = asyncio.get_running_loop().create_task(play())
+        try:
+            return await call(client(lambda path: str(server.make_url(path))))
+        finally:
+            player.cancel()
+            await server.close()
+            await stopped(reader)
+
+    return asyncio.run(go())

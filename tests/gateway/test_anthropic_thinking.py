@@ -7,19 +7,12 @@ rules hold."""
 
 from __future__ import annotations
 
-import asyncio
-
 import anthropic
 import pytest
-from aiohttp.test_utils import TestServer
 
 from services.gateway.anthropic.translate import parse_messages_request
-from services.gateway.app import Gateway
-from services.gateway.health import StageTracker
-from services.gateway.metrics import Metrics
 from services.gateway.openai.errors import ApiError
-from shared.messages import TokenDelta
-from tests.gateway.engine_stand_ins import started, stopped
+from tests.gateway.engine_stand_ins import answering_gateway
 
 ANSWER = "<think>The user wants a capital.</think>\n\nParis."
 ASK = [{"role": "user", "content": "The capital of France?"}]
@@ -28,33 +21,9 @@ THINK = {"type": "enabled", "budget_tokens": 1024}
 
 def run(tmp_path, contexts, tok, answer: str, call, reasoning_parser: str | None = "deepseek_r1"):
     """call(client) against a gateway whose engine answers each request with answer's tokens."""
-    ids = tok.encode(answer, add_special_tokens=False)
-    assert len(ids) > 8  # the markers come in several tokens, split across deltas
-
-    async def go():
-        engine, reader, (t,), sched, _ = await started(tmp_path, contexts, tok)
-        gateway = Gateway(engine, StageTracker(), Metrics(), "m", set(), 10.0, reasoning_parser=reasoning_parser)
-        server = TestServer(gateway.make_app())
-        await server.start_server()
-
-        async def play():
-            while True:
-                got = await t.answer()
-                await sched.take()
-                for i, tid in enumerate(ids):
-                    sched.send(TokenDelta(got.request_id, [tid], 3, "stop" if i == len(ids) - 1 else None))
-                    await asyncio.sleep(0)
-
-        player = asyncio.get_running_loop().create_task(play())
-        try:
-            sdk = anthropic.AsyncAnthropic(base_url=str(server.make_url("")), api_key="k", max_retries=0)
-            return await call(sdk)
-        finally:
-            player.cancel()
-            await server.close()
-            await stopped(reader)
-
-    return asyncio.run(go())
+    return answering_gateway(tmp_path, contexts, tok, answer,
+                             lambda url: anthropic.AsyncAnthropic(base_url=url(""), api_key="k", max_retries=0), call,
+                             reasoning_parser)
 
 
 def test_a_whole_message_has_a_thinking_block_before_its_text(tmp_path, contexts, smollm2_tokenizer):

@@ -5,49 +5,17 @@ false drops it; tool calls are parsed from the content alone."""
 
 from __future__ import annotations
 
-import asyncio
-
 import openai
-from aiohttp.test_utils import TestServer
 
-from services.gateway.app import Gateway
-from services.gateway.health import StageTracker
-from services.gateway.metrics import Metrics
-from shared.messages import TokenDelta
-from tests.gateway.engine_stand_ins import started, stopped
+from tests.gateway.engine_stand_ins import answering_gateway
 
 ANSWER = "<think>The user wants a capital.</think>\n\nParis."
 
 
 def run(tmp_path, contexts, tok, answer: str, call):
     """call(client) against a gateway whose engine answers each request with answer's tokens."""
-    ids = tok.encode(answer, add_special_tokens=False)
-    assert len(ids) > 8  # the markers come in several tokens, split across deltas
-
-    async def go():
-        engine, reader, (t,), sched, _ = await started(tmp_path, contexts, tok)
-        gateway = Gateway(engine, StageTracker(), Metrics(), "m", set(), 10.0, reasoning_parser="deepseek_r1")
-        server = TestServer(gateway.make_app())
-        await server.start_server()
-
-        async def play():
-            while True:
-                got = await t.answer()
-                await sched.take()
-                for i, tid in enumerate(ids):
-                    sched.send(TokenDelta(got.request_id, [tid], 3, "stop" if i == len(ids) - 1 else None))
-                    await asyncio.sleep(0)
-
-        player = asyncio.get_running_loop().create_task(play())
-        try:
-            sdk = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="k", max_retries=0)
-            return await call(sdk)
-        finally:
-            player.cancel()
-            await server.close()
-            await stopped(reader)
-
-    return asyncio.run(go())
+    return answering_gateway(tmp_path, contexts, tok, answer,
+                             lambda url: openai.AsyncOpenAI(base_url=url("/v1"), api_key="k", max_retries=0), call)
 
 
 MESSAGES = [{"role": "user", "content": "The capital of France?"}]
