@@ -118,4 +118,7 @@ def test_count_tokens_with_an_integer_beyond_64_bits_is_a_400(client):
     with pytest.raises(anthropic.BadRequestError) as info:
         client.messages.count_tokens(model=MODEL, messages=ASK, tools=tools)
     assert info.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError) as info:  # and in a generation (schemathesis, CI)
+        client.messages.create(model=MODEL, max_tokens=4, messages=ASK, tools=tools)
+    assert "64 bits" in info.value.body["error"]["message"]
     assert client.messages.count_tokens(model=MODEL, messages=ASK).input_tokens > 0  # and it serves on

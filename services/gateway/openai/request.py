@@ -55,13 +55,29 @@ class ParsedRequest:
                 for i, (text, ids) in enumerate(self.batch)]
 
 
+class _IntegerOutOfRange(ValueError):
+    pass
+
+
+def _wire_int(digits: str) -> int:
+    """An integer of the body, held to what msgpack (the stages' wire format) carries: a
+    tool schema's `-21545974458559721472` would otherwise fail the send with a 500."""
+    value = int(digits)
+    if not -(2**63) <= value < 2**64:
+        raise _IntegerOutOfRange(f"The request body holds an integer beyond 64 bits ({digits[:32]}...); "
+                                 f"no field takes one: write it as a float or a string.")
+    return value
+
+
 def parse_json(raw: bytes) -> dict:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ApiError(f"The request body is not valid UTF-8: {exc}") from exc
     try:
-        body = json.loads(text)
+        body = json.loads(text, parse_int=_wire_int)
+    except _IntegerOutOfRange as exc:
+        raise ApiError(str(exc)) from exc
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise ApiError(f"The request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
