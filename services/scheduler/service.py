@@ -62,10 +62,10 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from services.scheduler.block_manager import BlockManager
 from services.scheduler.gateway_watch import GATEWAY_LOST_AFTER_S, GatewayWatch
 from services.scheduler.host_block_pool import HostBlockPool
 from services.scheduler.kv_accounting import kv_usage
-from services.scheduler.block_manager import BlockManager
 from services.scheduler.options import WARMUP_FACTOR, KVEventsOptions, engine_rank, fit_to_executor
 from services.scheduler.outbox import Outbox
 from services.scheduler.pool_snapshot import pool_snapshot

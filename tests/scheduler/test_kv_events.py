@@ -21,7 +21,6 @@ from shared.ports import free_port
 from shared.transport import KVEventPublisher
 from tests.scheduler.test_block_manager import Seq, admit
 
-
 # --- a subscriber's decoder, from vLLM's schema -------------------------------------------
 
 class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
