@@ -226,3 +226,36 @@ def test_network_endpoints_need_an_explicit_allow():
         publisher.close()
     finally:
         ctx.destroy(linger=0)
+
+
+def test_serve_forwards_the_endpoint_and_each_engine_publishes_on_port_plus_rank():
+    """`pagedserve serve --data-parallel-size 2 --kv-events-endpoint ...`: each scheduler's own
+    parser reads the same endpoint, and its engine's rank moves it to port + rank."""
+    import argparse
+
+    from services import launcher
+    from services.stage_options import add_stage_args
+    from shared.config import Addresses
+    from shared.options import from_args
+
+    base = free_port()
+    parser = argparse.ArgumentParser()
+    launcher.add_args(parser)
+    args = parser.parse_args(["--model", "tiny", "--data-parallel-size", "2",
+                              "--kv-events-endpoint", f"tcp://127.0.0.1:{base}", "--kv-events-topic", "kv"])
+    ctx = zmq.Context()
+    try:
+        endpoints = {}
+        for name, cmd in launcher.stage_commands(args, Addresses.ipc("/tmp/run")).items():
+            if not name.startswith("scheduler"):
+                continue
+            own = argparse.ArgumentParser()
+            add_stage_args(own, "scheduler")
+            stage = own.parse_args(cmd[cmd.index("scheduler") + 1:])
+            publisher, rank = kv_event_publisher(ctx, from_args(KVEventsOptions, stage), stage.engine)
+            endpoints[name] = (publisher.endpoint, rank, publisher.topic)
+            publisher.close()
+        assert endpoints == {"scheduler-0": (f"tcp://127.0.0.1:{base}", 0, b"kv"),
+                             "scheduler-1": (f"tcp://127.0.0.1:{base + 1}", 1, b"kv")}
+    finally:
+        ctx.destroy(linger=0)
