@@ -6,7 +6,7 @@
 Every stage's options are declared once, as option groups (services/stage_options.py,
 shared/options.py), from which both `serve`'s flags and each stage's are built; the
 launcher forwards them whole to each stage's command line. Each stage module
-(`services/<name>/service.py`) runs with `run(args)`. `stage NAME` imports only that
+(`services/<name>/service.py`, a dash in the name an underscore there) runs with `run(args)`. `stage NAME` imports only that
 stage's module and the other commands none, so a restarted scheduler or gateway is back
 in a fraction of a second, and a probe answers at once, instead of importing torch first.
 """
@@ -18,11 +18,11 @@ import importlib
 import logging
 import sys
 
-STAGES = ("gateway", "tokenizer", "scheduler", "executor")
+STAGES = ("gateway", "tokenizer", "scheduler", "executor", "dynamo-worker")
 
 
 def stage_module(name: str):
-    return importlib.import_module(f"services.{name}.service")
+    return importlib.import_module(f"services.{name.replace('-', '_')}.service")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

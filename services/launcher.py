@@ -10,6 +10,10 @@ only SIGINT/SIGTERM stop it, and the stages in order: the gateway first, which d
 drain still needed. Restarts and backoffs are written to a state file the gateway shows
 on /health and /metrics (services/gateway/supervision.py).
 
+With `--dynamo` the engine is served to NVIDIA Dynamo: a dynamo-worker stage
+(services/dynamo_worker) takes the place of the gateway and the tokenizer replicas (Dynamo's
+frontend tokenizes and serves HTTP); it is stopped first, as the gateway is, to drain.
+
 With `--tensor-parallel-size N` each engine's executor is N stages, "executor" (rank 0,
 the one the scheduler talks to) and "executor-rank1" ... (with data parallelism
 "executor-0", "executor-0-rank1", ...), which meet at a tcp:// port of 127.0.0.1 chosen
@@ -55,6 +59,7 @@ BACKOFF_CAP_S = 30.0
 STABLE_S = 60.0  # a stage that ran this long before dying starts again from BACKOFF_BASE_S
 POLL_S = 0.2
 STOP_TIMEOUT_S = 10.0  # for each stage but the draining gateway
+FRONT_STAGES = ("gateway", "dynamo-worker")  # stopped first, and given time to drain
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,10 @@ class ServeOptions:
                                         "keeps the first allowed core to itself and every other thread and stage "
                                         "shares the rest (shared.cpu_placement); off: the OS places everything",
                                 choices=("auto", "off"))
+    dynamo: bool = option(False, "serve the engine to NVIDIA Dynamo instead of over HTTP: a dynamo-worker stage "
+                                 "(services/dynamo_worker) in place of the gateway and tokenizers, registering "
+                                 "with Dynamo's frontend (the dynamo extra; see README, Dynamo); run one such serve "
+                                 "per engine, Dynamo's router balances them")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -150,6 +159,10 @@ def stage_commands(args: argparse.Namespace, addresses: Addresses,
             cmds[f"executor{suffix}" + (f"{RANK_SUFFIX}{rank}" if rank else "")] = command(
                 "executor", engine, **executor, tp_rank=rank, tp_init_address=f"tcp://127.0.0.1:{tp_ports[i]}")
     served = default_served_name(args.model) if args.served_model_name is None else args.served_model_name
+    if getattr(args, "dynamo", False):  # Dynamo's frontend tokenizes and serves HTTP: no gateway, no tokenizer
+        cmds["dynamo-worker"] = command("dynamo-worker", engines[0], engine="engine-0",
+                                        dynamo_model_name=getattr(args, "dynamo_model_name", None) or served)
+        return cmds
     # the gateway sends each request on to one engine's scheduler: it reaches every one
     every = Addresses(**{**addresses.__dict__, "scheduler_in": ",".join(e.scheduler_in for e in engines)})
     cmds["gateway"] = command("gateway", every, served_model_name=served)
@@ -279,9 +292,9 @@ class Supervisor:
             log.warning("cannot write %s", self.state_path, exc_info=True)
 
     def stop_all(self) -> None:
-        gateway = [s for s in self.stages if s.name == "gateway"]
-        self._stop(gateway, self.drain_timeout_s + 5.0)
-        self._stop([s for s in self.stages if s.name != "gateway"], STOP_TIMEOUT_S)
+        front = [s for s in self.stages if s.name in FRONT_STAGES]
+        self._stop(front, self.drain_timeout_s + 5.0)
+        self._stop([s for s in self.stages if s.name not in FRONT_STAGES], STOP_TIMEOUT_S)
 
     @staticmethod
     def _stop(stages: list[Stage], timeout_s: float) -> None:
@@ -305,6 +318,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--data-parallel-size must be at least 1")
     if args.tensor_parallel_size < 1:
         raise SystemExit("--tensor-parallel-size must be at least 1")
+    if args.dynamo and args.data_parallel_size > 1:
+        raise SystemExit("--dynamo serves one engine: run one `pagedserve serve --dynamo` per engine (each its own "
+                         "Dynamo worker; Dynamo's router balances them) instead of --data-parallel-size")
     if args.device.startswith("cuda") and args.data_parallel_size * args.tensor_parallel_size > 1:
         check_gpus(args.device, args.data_parallel_size, args.tensor_parallel_size, visible_gpus())
     # refuse now, not in every stage: the addresses given are the only tcp:// ones

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from services.dynamo_worker.options import DynamoOptions
 from services.executor.options import ExecutorOptions, ParallelOptions
 from services.gateway.options import GatewayOptions
 from services.scheduler.options import KVEventsOptions, SchedulerOptions, SchedulingOptions
@@ -27,6 +28,9 @@ STAGE_GROUPS: dict[str, tuple[type, ...]] = {
     "scheduler": (EngineName, BatchLimits, ContextOptions, SchedulerOptions, SchedulingOptions, KVEventsOptions,
                   LogOptions),
     "executor": (ModelOptions, EngineName, ExecutorOptions, ParallelOptions, LogOptions),
+    # an engine served to NVIDIA Dynamo (`serve --dynamo`): the scheduler's KV events are relayed
+    "dynamo-worker": (ModelOptions, EngineName, ContextOptions, BatchLimits, KVEventsOptions, DynamoOptions,
+                      LogOptions),
 }
 
 # every stage's groups, each once (the launcher adds its own)
