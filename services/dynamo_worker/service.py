@@ -5,7 +5,8 @@ as to a gateway) and connects to the scheduler like a gateway; once the engine i
 (executor up, pool sized), it joins Dynamo: a DistributedRuntime on the chosen discovery
 backend, the model registered on --dynamo-endpoint for tokens in (ModelInput.Tokens) as a
 chat and completions model (ModelType.Chat | Completions) with the pool's block size and
-size, the engine's load published (`load`), the scheduler's KV events relayed (`kv_relay`)
+size, the engine's load published (`load`), the scheduler's KV events relayed (`kv_relay`),
+its counters put on Dynamo's system status server (`metrics`: /metrics on $DYN_SYSTEM_PORT)
 and `generate` served (`handler`). SIGTERM or SIGINT shut the runtime down: the endpoint
 stops taking requests and those in flight finish (Dynamo's graceful shutdown).
 """
@@ -25,6 +26,7 @@ from services.dynamo_worker.engine_status import EngineStatus
 from services.dynamo_worker.handler import GenerateHandler
 from services.dynamo_worker.kv_relay import engine_events_endpoint, start_relay
 from services.dynamo_worker.load import publish_load
+from services.dynamo_worker.metrics import metrics_text
 from services.dynamo_worker.model_info import model_info
 from services.scheduler.options import engine_rank
 from shared.config import Addresses
@@ -86,9 +88,11 @@ async def serve(args: argparse.Namespace, addrs: Addresses) -> None:
         if events is not None:
             relay = start_relay(endpoint, events, stats.block_size, args.kv_events_topic)
         tasks.append(asyncio.create_task(publish_load(endpoint, status)))
-        log.info("serving %s to Dynamo on %s (%d KV blocks of %d tokens, context %d, discovery %s)", name,
-                 args.dynamo_endpoint, stats.kv_blocks_total, stats.block_size, config.context_length,
-                 args.dynamo_discovery_backend)
+        endpoint.metrics.register_prometheus_expfmt_callback(
+            lambda: metrics_text(handler.requests_total, handler.aborted_total, status.stats))
+        log.info("serving %s to Dynamo on %s as worker %d (%d KV blocks of %d tokens, context %d, discovery %s)",
+                 name, args.dynamo_endpoint, endpoint.connection_id(), stats.kv_blocks_total, stats.block_size,
+                 config.context_length, args.dynamo_discovery_backend)
         await endpoint.serve_endpoint(handler.generate, graceful_shutdown=True)
         log.info("Dynamo endpoint closed: %d requests served, %d aborted", handler.requests_total,
                  handler.aborted_total)
