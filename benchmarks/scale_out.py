@@ -4,6 +4,7 @@
     .venv/bin/python -m benchmarks.scale_out [--model smollm2] [--requests 256] [--concurrency 32]
     .venv/bin/python -m benchmarks.scale_out --quick      # a smoke run on the tiny random Llama
     .venv/bin/python -m benchmarks.scale_out --parts tp --model smollm2   # only TP 1 vs 2
+    python -m benchmarks.scale_out --dynamo --parts dp    # also 2 engines behind Dynamo's KV router
 
 The workload is loadgen's `prefix` dataset (a long common prefix, then a distinct suffix),
 drawn from --prefixes seeds so that several system prompts interleave (each seed has its
@@ -18,6 +19,13 @@ requests spread over the engines (loadgen's 1-token probe included). The
 machine's cores are split between the engines' executors (--executor-threads), so on a
 CPU two engines share the cores one engine had: the comparison is of routing, not of
 added hardware. `--model` serves another model (default: the tests' tiny random Llama).
+
+With `--dynamo` (the `dynamo` extra installed: README, Dynamo) a fourth setup runs the same
+requests through NVIDIA Dynamo's frontend with its KV router (`--router-mode kv`, file
+discovery, loopback) in front of two `pagedserve serve --dynamo` workers, each relaying its
+scheduler's KV events; its hit rate and spread come from the workers' own counters (their
+Dynamo status servers' /metrics). Dynamo's frontend tokenizes and detokenizes in its own
+process, so on a 2-core host it competes with the engines for the cores.
 
 Tensor parallelism (`--parts tp`): for each of --tp-sizes a fresh server with
 `--tensor-parallel-size N` (gloo ranks on the CPU, the cores split between the ranks as
@@ -71,6 +79,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tp-concurrency", type=int, default=8, help="the decode batch")
     p.add_argument("--quantization", default=None, choices=["auto", "int4", "none"],
                    help="passed to every server (default: serve's own)")
+    p.add_argument("--dynamo", action="store_true",
+                   help="also 2 engines behind NVIDIA Dynamo's KV router (pagedserve serve --dynamo workers)")
     p.add_argument("--quick", action="store_true", help="32 requests of 8 tokens, concurrency 8: a smoke run")
     args = p.parse_args()
     if args.quick:
@@ -146,6 +156,43 @@ def measure(name: str, engines: int, routing: str, model, work: list, args, tmp:
             "requests_per_engine": spread or {"engine-0": summary["completed"]}}
 
 
+def measure_dynamo(model, work: list, args, tmp: Path, tokenizer) -> dict:
+    """Two `pagedserve serve --dynamo` workers behind Dynamo's frontend and KV router."""
+    from tests.dynamo_cluster import DynamoCluster
+
+    name, engines = "2 engines Dynamo KV router", 2
+    threads = max(1, (os.cpu_count() or 2) // engines)
+    run_dir = tmp / "dynamo"
+    run_dir.mkdir()
+    extra = ["--dtype", args.dtype, *quantization(args)]
+    with DynamoCluster(model, run_dir, workers=engines, extra=extra, executor_threads=threads,
+                       startup_timeout_s=600) as cluster:
+        target = Target(name=name, url=cluster.url)
+        warm = workload(WorkloadSpec("random", seed=args.seed + 1000, input_len=args.input_len, output_len=4),
+                        tokenizer)
+        runner.run(target, warm, runner.LoadConfig(concurrency=4, num_requests=8 * engines, progress=False))
+        time.sleep(1.0)  # the workers' counters come from heartbeats (every 0.25 s)
+        before = [cluster.metrics(i) for i in range(engines)]
+        config = runner.LoadConfig(concurrency=args.concurrency, num_requests=len(work), seed=args.seed,
+                                   progress=False)
+        outcome = runner.run(target, iter(work), config, tokenizer=tokenizer)
+        time.sleep(1.0)
+        after = [cluster.metrics(i) for i in range(engines)]
+    summary = summarize(outcome.results, outcome.duration_s)
+
+    def delta(i: int, key: str) -> float:
+        return after[i].get(key, 0.0) - before[i].get(key, 0.0)
+
+    queries = sum(delta(i, "pagedserve_prefix_cache_queries_total") for i in range(engines))
+    hits = sum(delta(i, "pagedserve_prefix_cache_hits_total") for i in range(engines))
+    return {"setup": name, "engines": engines, "routing": "dynamo-kv", "executor_threads": threads,
+            "completed": summary["completed"], "failed": summary["failed"],
+            "duration_s": round(outcome.duration_s, 2), "requests_per_s": round(summary["request_throughput"], 3),
+            "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
+            "requests_per_engine": {f"engine-{i}": int(delta(i, "pagedserve_dynamo_requests_total"))
+                                    for i in range(engines)}}
+
+
 def measure_tp(size: int, model, args, tmp: Path, tokenizer) -> dict:
     """Decode step time with the executor split over `size` ranks, the cores split between them."""
     threads = max(1, (os.cpu_count() or 2) // size)
@@ -186,9 +233,14 @@ def main() -> int:
         model = args.model or make_tiny_llama(tmp / "tiny-llama")
         tokenizer = tokenizer_for(str(model))
         work = requests(args, tokenizer)
-        for name, engines, routing in SETUPS if "dp" in args.parts else ():
-            results.append(measure(name, engines, routing, model, work, args, tmp, tokenizer))
+        setups = [*SETUPS, ("dynamo", 2, "dynamo-kv")] if args.dynamo else SETUPS
+        for name, engines, routing in setups if "dp" in args.parts else ():
+            if routing == "dynamo-kv":
+                results.append(measure_dynamo(model, work, args, tmp, tokenizer))
+            else:
+                results.append(measure(name, engines, routing, model, work, args, tmp, tokenizer))
             r = results[-1]
+            name = r["setup"]
             print(f"{name:24s} {r['requests_per_s']:8.2f} req/s   prefix-cache hit rate "
                   f"{r['prefix_cache_hit_rate']}   completed {r['completed']}/{len(work)}   "
                   f"per engine {r['requests_per_engine']}", flush=True)
