@@ -1,6 +1,6 @@
 """Test and benchmark helpers: NVIDIA Dynamo's frontend and pagedserve Dynamo workers
 (`pagedserve serve --dynamo`) as real processes on loopback, with file discovery (no etcd,
-no NATS). Every Dynamo address is pinned to 127.0.0.1."""
+no NATS) or Debian's etcd and NATS. Every Dynamo address is pinned to 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,19 +83,49 @@ class Proc:
         self._log.close()
 
 
+def etcd_and_nats(tmp: Path) -> tuple[list[Proc], dict[str, str]]:
+    """Debian's etcd and NATS (JetStream) on loopback, and the environment that points Dynamo
+    at them (etcd discovery, NATS event plane)."""
+    etcd_port, peer_port, nats_port = free_port(), free_port(), free_port()
+    etcd = Proc([shutil.which("etcd") or "etcd", "--data-dir", str(tmp / "etcd"), "--listen-client-urls",
+                 f"http://127.0.0.1:{etcd_port}", "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
+                 "--listen-peer-urls", f"http://127.0.0.1:{peer_port}", "--initial-advertise-peer-urls",
+                 f"http://127.0.0.1:{peer_port}", "--initial-cluster", f"default=http://127.0.0.1:{peer_port}"],
+                tmp / "etcd.log", {})
+    nats = Proc([shutil.which("nats-server") or "nats-server", "-js", "-a", "127.0.0.1", "-p", str(nats_port),
+                 "-sd", str(tmp / "nats")], tmp / "nats.log", {})
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if get(f"http://127.0.0.1:{etcd_port}/health", timeout=1)[0] == 200:
+                break
+        except OSError:
+            pass
+        if time.monotonic() > deadline or not etcd.alive():
+            raise RuntimeError(f"etcd did not start:\n{etcd.log()}")
+        time.sleep(0.2)
+    env = {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": f"http://127.0.0.1:{etcd_port}",
+           "NATS_SERVER": f"nats://127.0.0.1:{nats_port}", "DYN_EVENT_PLANE": "nats"}
+    return [etcd, nats], env
+
+
 class DynamoCluster:
     """Dynamo's frontend (--router-mode) and `workers` pagedserve Dynamo workers, each its own
-    engine publishing KV events on its own port; `with` waits until the frontend sees them all."""
+    engine publishing KV events on its own port; `with` waits until the frontend sees them all.
+    discovery "file" (a directory) or "etcd" (Debian's etcd and NATS, started here)."""
 
     def __init__(self, model: Path | str, tmp: Path, workers: int = 2, router_mode: str = "kv",
                  served_name: str = "tiny-llama", extra: list[str] | None = None, executor_threads: int = 1,
-                 startup_timeout_s: float = 300.0, frontend_extra: list[str] | None = None):
+                 startup_timeout_s: float = 300.0, frontend_extra: list[str] | None = None,
+                 discovery: str = "file"):
         self.model, self.tmp, self.n = model, tmp, workers
         self.router_mode, self.served_name = router_mode, served_name
         self.extra = extra or ["--dtype", "float32"]
         self.executor_threads = executor_threads
         self.startup_timeout_s = startup_timeout_s
         self.frontend_extra = frontend_extra or []
+        self.discovery = discovery
+        self.services: list[Proc] = []  # etcd and NATS
         self.env = loopback_env(tmp / "dynamo-store")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -118,10 +149,13 @@ class DynamoCluster:
 
     def __enter__(self) -> DynamoCluster:
         try:
+            if self.discovery == "etcd":
+                self.services, env = etcd_and_nats(self.tmp)
+                self.env.update(env)
             self.workers = [self.start_worker(i) for i in range(self.n)]
             self.frontend = Proc([sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
                                   "--http-port", str(self.port), "--router-mode", self.router_mode,
-                                  "--discovery-backend", "file", "--kv-cache-block-size", "16",
+                                  "--discovery-backend", self.discovery, "--kv-cache-block-size", "16",
                                   *self.frontend_extra],
                                  self.tmp / "frontend.log", self.env)
             self.wait_workers(self.n)
@@ -164,6 +198,6 @@ class DynamoCluster:
         return status == 200 and any(m["id"] == self.served_name for m in json.loads(body)["data"])
 
     def __exit__(self, *exc) -> None:
-        for p in [self.frontend, *self.workers]:
+        for p in [self.frontend, *self.workers, *self.services]:
             if p is not None:
                 p.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import signal
 import time
 import urllib.error
@@ -172,3 +173,20 @@ def test_kill_9_of_a_worker_under_load(tiny_model_dir, tmp_path, migration_limit
                 break
             assert time.monotonic() < deadline, after
             time.sleep(1.0)
+
+
+@pytest.mark.skipif(not (shutil.which("etcd") and shutil.which("nats-server")),
+                    reason="Debian's etcd-server and nats-server are not installed")
+def test_etcd_discovery_and_nats_events(tiny_model_dir, tmp_path):
+    """The production path: workers found through etcd, KV events and load over NATS; the KV
+    router still keeps each prompt on one worker, and it answers."""
+    with DynamoCluster(tiny_model_dir, tmp_path, discovery="etcd") as c:
+        ids = {c.worker_id(i): i for i in range(2)}
+        placed: dict[int, list[int]] = {k: [] for k in range(4)}
+        for q in QUESTIONS[:3]:
+            for k in range(4):
+                status, body = completion(c.url, PROMPTS[k] + q, nvext={"extra_fields": ["worker_id"]})
+                assert status == 200, body
+                placed[k].append(ids[body["nvext"]["worker_id"]["decode_worker_id"]])
+                time.sleep(0.2)
+        assert all(ws.count(ws[0]) == len(ws) for ws in placed.values()), placed
