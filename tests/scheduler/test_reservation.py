@@ -80,6 +80,17 @@ def test_buddy_chunks_are_powers_of_two_and_merge_back():
     alloc.check_invariants([c.block_table])
 
 
+def test_a_request_no_buddy_block_can_hold_never_fits():
+    # 12 blocks of 4: the largest buddy block is 8 blocks, 32 slots
+    sched = Scheduler(SchedulerConfig(max_model_len=64), ReservingAllocator("reserve-oracle", 12, 4, 64))
+    assert sched.check_fits(req("ok", 20, 12)) is None
+    problem = sched.check_fits(req("big", 30, 10))
+    assert problem is not None and "largest contiguous reservation holds 8" in problem
+    first_fit = Scheduler(SchedulerConfig(max_model_len=64),
+                          ReservingAllocator("reserve-oracle", 12, 4, 64, placement="first-fit"))
+    assert first_fit.check_fits(req("big", 30, 10)) is None
+
+
 def test_growth_stays_inside_the_reservation():
     alloc = ReservingAllocator("reserve-pow2", 64, 4, 256)
     s = req("a", 6, 3)  # 6 + 4 slots -> 3 blocks, a chunk of 4
