@@ -14,6 +14,9 @@ planned) by the step's duration; idle time counts as an unchanged pool and an
 empty batch. KV shares are of the time-averaged memory in use (see
 `kv_accounting`).
 
+The reservation baselines' chunks are placed by the buddy allocator, as the paper's
+Orca (`SimConfig.placement`; first fit for comparison, see `address_space`).
+
 Prefix caching is off: the paper's baselines have none and its traces share no
 prefixes. The scheduler keeps its serving limits (max_num_seqs 256, a 2048-token
 budget per step, close to vLLM's 256 and 2560 of the time): in the paper's settings
