@@ -157,10 +157,12 @@ class Scheduler:
                 f"exceeds the maximum context length of {self.config.max_model_len} tokens"
             )
         need = self.blocks.blocks_for(req.max_total_tokens)
-        if need > self.blocks.num_blocks:
+        if need > self.blocks.max_sequence_blocks:
+            whole = ("the whole KV cache holds" if self.blocks.max_sequence_blocks == self.blocks.num_blocks
+                     else "the largest contiguous reservation holds")
             return (
-                f"the request needs up to {need} KV blocks but the whole KV cache holds "
-                f"{self.blocks.num_blocks}; lower max_tokens or the prompt length"
+                f"the request needs up to {need} KV blocks but {whole} "
+                f"{self.blocks.max_sequence_blocks}; lower max_tokens or the prompt length"
             )
         worst = self.executor_states.worst_cost(req, self.config.max_num_batched_tokens, self.blocks.block_size)
         if worst > self.config.max_step_bytes:
