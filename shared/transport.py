@@ -12,6 +12,10 @@ when the context has CURVE keys (`shared.curve`), CURVE on every socket: binders
 servers whose ZAP handler admits only clients holding the deployment's key, connecters
 are clients of the same key. Without keys sockets are plain, and only on addresses
 `shared.curve.is_exposed` proves local (ipc://, inproc://, tcp:// resolving to loopback).
+
+`KVEventPublisher` is the one socket for readers outside the deployment (KV-aware routers
+that speak vLLM's KV events, `shared.kv_events`): never CURVE, since they do not hold the key,
+and so only on a local address unless the operator allows the network explicitly.
 """
 
 from __future__ import annotations
@@ -383,6 +387,88 @@ class AsyncDealerSocket(AsyncPullSocket[T]):
         if self._loop is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._loop.call_soon(self._drain)
         return True
+
+
+class KVEventPublisher:
+    """KV cache event batches on a PUB socket, framed as vLLM frames them: [topic, sequence
+    number (8 bytes big-endian, from 0), msgpack payload]. Sends never wait: a subscriber
+    that falls more than `hwm` messages behind loses batches, and sees the gap in the numbers.
+
+    With replay_endpoint, a ROUTER socket there answers a request for the batches from a
+    sequence number on (a REQ or DEALER peer sends the number as 8 bytes big-endian): each
+    of the last `buffer_batches` batches from it as [sequence number, payload], then
+    [-1 as 8 bytes, b""] to mark the end. `serve_replay` answers the requests waiting.
+
+    connect: the PUB socket connects to endpoint (a subscriber that binds, as llm-d's
+    indexer does) instead of binding it. An address reachable from the network is refused
+    (CurveKeyError) unless allow_network: the events carry the prompts' token ids in clear.
+    """
+
+    REPLAY_END = (-1).to_bytes(8, "big", signed=True)
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, *, replay_endpoint: str = "", topic: str = "",
+                 connect: bool = False, allow_network: bool = False, buffer_batches: int = 10_000,
+                 hwm: int = 100_000):
+        for address in (endpoint, replay_endpoint):
+            if address and not allow_network and is_exposed(address):
+                raise CurveKeyError(f"refusing KV events on {address}: it can be reached from the network and "
+                                    "the events carry prompts' token ids in clear (--kv-events-allow-network "
+                                    "to publish there anyway)")
+        self.endpoint, self.topic = endpoint, topic.encode()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, hwm)
+        self.replay: zmq.Socket | None = None
+        try:
+            (self.pub.connect if connect else self.pub.bind)(endpoint)
+            if replay_endpoint:
+                self.replay = ctx.socket(zmq.ROUTER)
+                self.replay.setsockopt(zmq.LINGER, 0)
+                self.replay.setsockopt(zmq.MAXMSGSIZE, 256)  # a request is one 8-byte number
+                self.replay.bind(replay_endpoint)
+        except zmq.ZMQError:
+            self.close()
+            raise
+        self.next_seq = 0
+        self._sent: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)  # for replay
+
+    def publish(self, batch) -> int:
+        """Send one batch (a `shared.kv_events.KVEventBatch`); returns its sequence number."""
+        seq, payload = self.next_seq, _encoder.encode(batch)
+        self.next_seq += 1
+        try:
+            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a PUB socket drops for slow subscribers itself; this never waits either
+        self._sent.append((seq, payload))
+        return seq
+
+    def serve_replay(self) -> int:
+        """Answer every replay request waiting, without blocking; returns how many."""
+        answered = 0
+        while self.replay is not None:
+            try:
+                frames = self.replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return answered
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                log.warning("dropped a malformed KV events replay request (%d frames)", len(frames))
+                continue
+            peer, start = frames[0], int.from_bytes(frames[2], "big")
+            try:
+                for seq, payload in self._sent:
+                    if seq >= start:
+                        self.replay.send_multipart([peer, b"", seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+                self.replay.send_multipart([peer, b"", self.REPLAY_END, b""], zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("KV events replay: the peer's queue is full; the rest of its replay is dropped")
+            answered += 1
+        return answered
+
+    def close(self) -> None:
+        self.pub.close(linger=0)
+        if self.replay is not None:
+            self.replay.close(linger=0)
 
 
 def wait_readable(sockets: list[_Typed], timeout_ms: int) -> list[_Typed]:

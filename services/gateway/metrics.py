@@ -4,6 +4,14 @@ Gauges mirror the schedulers' latest heartbeats (summed over the engines, and pe
 under `pagedserve_engine_*{engine=...}` with data parallelism); token and request counters and the
 latency histograms are measured here, from the TextDeltas each request receives. Stage
 restarts come from the launcher's state file (services/gateway/supervision.py).
+
+vLLM's standard gauges are there too, under vLLM's names and labels, so that routers that
+read a vLLM server's /metrics with their default flags read ours (the Gateway API Inference
+Extension's endpoint picker, llm-d, vLLM's production-stack router): `vllm:num_requests_running`,
+`vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (the fraction of KV blocks in use,
+0 to 1, as vLLM reports it despite the name), one series per engine labelled
+{model_name=<served model name>, engine="<rank>"} as vLLM v1 labels them. vLLM's LoRA gauge
+(`vllm:lora_requests_info`) is left out: there are no adapters to report.
 """
 
 from __future__ import annotations
@@ -47,8 +55,17 @@ class _SupervisionCollector:
         return [restarts, down]
 
 
+VLLM_LABELS = ["model_name", "engine"]
+
+
+def engine_label(engine: str) -> str:
+    """vLLM's engine label: the engine's index ("engine-1" -> "1")."""
+    return engine.removeprefix("engine-")
+
+
 class Metrics:
-    def __init__(self, supervision: SupervisionState | None = None) -> None:
+    def __init__(self, supervision: SupervisionState | None = None, model_name: str = "") -> None:
+        self.model_name = model_name
         r = self.registry = CollectorRegistry()
         if supervision is not None:
             r.register(_SupervisionCollector(supervision))
@@ -134,6 +151,13 @@ class Metrics:
             "pagedserve_engine_requests_routed", "Requests the tokenizer replicas routed to an engine",
             ["engine"], registry=r)
         self.routed: dict[str, int] = {}
+        # vLLM's names (see the module doc)
+        self.vllm_running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                                  VLLM_LABELS, registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                                  VLLM_LABELS, registry=r)
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                   VLLM_LABELS, registry=r)
 
     def observe_routed(self, engine: str) -> None:
         self.engine_routed.labels(engine).inc()
@@ -150,8 +174,12 @@ class Metrics:
         self.kv_usage.set(used / total if total else 0.0)
         self.engine_running.labels(engine).set(stats.num_running)
         self.engine_waiting.labels(engine).set(stats.num_waiting)
-        self.engine_kv_usage.labels(engine).set(
-            stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+        usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+        self.engine_kv_usage.labels(engine).set(usage)
+        labels = (self.model_name, engine_label(engine))
+        self.vllm_running.labels(*labels).set(stats.num_running)
+        self.vllm_waiting.labels(*labels).set(stats.num_waiting)
+        self.vllm_kv_usage.labels(*labels).set(usage)
         self._mirror(replica, self.engine_prefix_queries.labels(engine), stats.prefix_cache_queries_total,
                      "engine_prefix_queries")
         self._mirror(replica, self.engine_prefix_hits.labels(engine), stats.prefix_cache_hits_total,

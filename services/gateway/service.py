@@ -72,7 +72,8 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
 
     ctx = configure(zmq.asyncio.Context(), keys)
     supervision = SupervisionState.from_env()
-    metrics = Metrics(supervision)
+    served = args.served_model_name or default_served_name(args.model)
+    metrics = Metrics(supervision, served)
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)  # the gateway detokenizes
     client = EngineClient(ctx, addrs, tokenizer, vocab_size(model_dir, tokenizer), on_retry=metrics.retries.inc,
@@ -94,7 +95,6 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
     tracker.engines = lambda: engines_report(watchdog, lambda e: metrics.routed.get(e, 0))
     admission = Admission(api_key_from(args.api_key), args.max_queued_requests,
                           lambda: client.num_waiting, lambda: watchdog.missing_stage, args.metrics_public)
-    served = args.served_model_name or default_served_name(args.model)
     gateway = Gateway(client, tracker, metrics, served, {served, args.model}, args.request_timeout, args.model,
                       admission, args.max_request_bytes, args.client_timeout, from_args(RequestLimits, args),
                       HostCheck(args.allowed_hosts, args.host), resolve_pooling(args.pooling, model_dir),

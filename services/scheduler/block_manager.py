@@ -25,6 +25,13 @@ instead of computing them. Cached blocks nobody holds are evicted least recently
 used when a block is needed. A block is registered only by `commit`, once the step
 that writes its KV has succeeded: a block handed out for a step that then fails
 holds no KV, and caching it would hand garbage to the next request with that prefix.
+
+KV cache events: while `events` is a list (None, the default, records nothing), every change
+to the cache is appended to it in vLLM's wire format (`shared/kv_events.py`): a `BlockStored`
+for each run of consecutive blocks `commit` registers (their hashes, the parent's, their
+tokens), a `BlockRemoved` for a cached block evicted to be reused, an `AllBlocksCleared` from
+`reset_cache`. The scheduler stage drains the list once a step and publishes it; several
+managers (a pool rebuilt for a new executor) may share one list.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from shared.block_digest import chain_digests, root_digest
+from shared.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, external_hash
 
 if TYPE_CHECKING:
     from services.scheduler.sequence import Sequence
@@ -53,6 +61,7 @@ class BlockManager:
         self._block_key: dict[int, bytes] = {}  # block -> digest
         self.prefix_cache_queries = 0  # tokens looked up in the cache
         self.prefix_cache_hits = 0  # of which found
+        self.events: list | None = None  # KV cache events, recorded while a list (see the module doc)
 
     # --- counts ---------------------------------------------------------------------
 
@@ -112,15 +121,33 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._hashes(seq, end)
+        stored: list[int] = []  # a run of consecutive blocks registered now, for the event
         for i in range(start // self.block_size, len(hashes)):
             block, h = seq.block_table[i], hashes[i]
             if block in self._block_key or h in self._cached:
-                continue  # already cached, or the same prefix cached in another block
+                if stored:  # already cached, or the same prefix cached in another block
+                    self._record_stored(seq, stored, hashes)
+                    stored = []
+                continue
             self._cached[h] = block
             self._block_key[block] = h
+            if self.events is not None:
+                stored.append(i)
+        if stored:
+            self._record_stored(seq, stored, hashes)
+
+    def _record_stored(self, seq: Sequence, run: list[int], hashes: list[bytes]) -> None:
+        """One BlockStored for seq's blocks run (consecutive indices), chained to the block before."""
+        bs, first = self.block_size, run[0]
+        self.events.append(BlockStored(
+            [external_hash(hashes[i]) for i in run], external_hash(hashes[first - 1]) if first else None,
+            seq.token_ids(first * bs, (run[-1] + 1) * bs), bs, None, MEDIUM))
 
     def _uncache(self, block: int) -> None:
-        del self._cached[self._block_key.pop(block)]
+        digest = self._block_key.pop(block)
+        del self._cached[digest]
+        if self.events is not None:
+            self.events.append(BlockRemoved([external_hash(digest)], MEDIUM))
 
     def reset_cache(self) -> None:
         """Forget every cached block (the KV memory behind them was lost)."""
@@ -129,6 +156,8 @@ class BlockManager:
         self._evictable.clear()
         self._cached.clear()
         self._block_key.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
 
     # --- taking and releasing blocks ------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The scheduler's options (`SchedulerOptions`; its step limits are shared.config's
 `BatchLimits`, which the executor is sized for too; its `SchedulingOptions`, which the
-gateway takes too, so that it refuses a `priority` the scheduler would not honour), and the check of those limits
-against the ones an executor reports it was sized for (`fit_to_executor`)."""
+gateway takes too, so that it refuses a `priority` the scheduler would not honour), where it publishes KV cache
+events (`KVEventsOptions`), and the check of those limits against the ones an executor reports it was sized for
+(`fit_to_executor`)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,32 @@ class SchedulerOptions:
                                                  "treated as lost (its requests are recomputed when it answers "
                                                  f"again); {WARMUP_FACTOR}x that for the first step after it "
                                                  "starts, which may compile kernels")
+
+
+@dataclass(frozen=True)
+class KVEventsOptions:
+    """KV cache events (vLLM's KVEventBatch on ZMQ, for KV-aware routers: llm-d, Dynamo)"""
+
+    kv_events_endpoint: str = option("", "publish the prefix cache's changes (blocks stored, removed, all cleared) "
+                                         "in vLLM's KV events format on a ZMQ PUB socket bound there, e.g. "
+                                         "tcp://127.0.0.1:5557; with --data-parallel-size N engine i publishes on "
+                                         "port + i, as vLLM does (default: off)")
+    kv_events_replay_endpoint: str = option("", "a ROUTER socket there answers requests for past batches by "
+                                                "sequence number, as vLLM's replay socket (port + i per engine)")
+    kv_events_topic: str = option("", "the topic frame of every event message (vLLM's default: empty)")
+    kv_events_connect: bool = option(False, "connect the PUB socket to --kv-events-endpoint (a subscriber that "
+                                            "binds, as llm-d's indexer) instead of binding it")
+    kv_events_allow_network: bool = option(False, "allow KV event endpoints reachable from the network (they are "
+                                                  "plain ZMQ, and the events carry prompts' token ids); by default "
+                                                  "only loopback, ipc:// and inproc:// are allowed")
+
+
+def engine_rank(engine: str) -> int:
+    """The data-parallel rank of an engine named "engine-<rank>" (ValueError for another name)."""
+    rank = engine.removeprefix("engine-")
+    if not rank.isdigit():
+        raise ValueError(f"engine {engine!r} is not named engine-<rank>: its data-parallel rank is unknown")
+    return int(rank)
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")

@@ -36,6 +36,14 @@ order, an abort for a request the scheduler does not know is for one that ended 
 A TokenizedRequest with output_token_ids resumes a request another engine was running:
 it is admitted with that output (`Sequence.num_resumed_tokens`) and generates on after it.
 
+With --kv-events-endpoint the prefix cache's changes go out as KV cache events in vLLM's wire
+format (`shared.kv_events`) on a PUB socket (`shared.transport.KVEventPublisher`): every block
+manager this stage builds records them into one list, drained into one `KVEventBatch` per
+loop pass that changed the cache (a step's admissions, evictions and committed blocks), which
+carries this engine's data-parallel rank; engine i publishes on the endpoint's port + i.
+A pool rebuilt for a new executor starts with `AllBlocksCleared` (the old pool's reset).
+Only the paged block manager has a prefix cache: the reservation baselines publish nothing.
+
 While a dashboard watches (a `WatchPool` subscription, renewed by the gateway), a
 `PoolSnapshot` goes to the gateway on the status channel every interval; none is built
 or sent otherwise.
@@ -54,10 +62,11 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from services.scheduler.block_manager import BlockManager
 from services.scheduler.gateway_watch import GATEWAY_LOST_AFTER_S, GatewayWatch
 from services.scheduler.host_block_pool import HostBlockPool
 from services.scheduler.kv_accounting import kv_usage
-from services.scheduler.options import WARMUP_FACTOR, fit_to_executor
+from services.scheduler.options import WARMUP_FACTOR, KVEventsOptions, engine_rank, fit_to_executor
 from services.scheduler.outbox import Outbox
 from services.scheduler.pool_snapshot import pool_snapshot
 from services.scheduler.pool_watch import PoolWatch
@@ -68,6 +77,7 @@ from shared import cpu_placement
 from shared.config import Addresses, BatchLimits
 from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
+from shared.kv_events import KVEventBatch, offset_endpoint
 from shared.messages import (
     AbortRequest,
     ExecuteStep,
@@ -90,7 +100,7 @@ from shared.messages import (
     WatchPool,
 )
 from shared.options import from_args
-from shared.transport import PullSocket, PushSocket, RouterSocket, configure, wait_readable
+from shared.transport import KVEventPublisher, PullSocket, PushSocket, RouterSocket, configure, wait_readable
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -142,6 +152,8 @@ class SchedulerService:
         self.watch = PoolWatch()
         # a gateway that stops reading leaves at most one subscription's snapshots (ttl / interval) queued
         self.snapshots_out = PushSocket(ctx, addr.status, StatusToGateway)
+        self.kv_events, self.kv_rank = kv_event_publisher(ctx, from_args(KVEventsOptions, args), args.engine)
+        self.kv_pending: list = []  # events the block managers recorded since the last batch
         self.running = True
 
     def refresh_stats(self) -> None:
@@ -178,6 +190,8 @@ class SchedulerService:
             log.warning("--preemption-mode swap without executor swap space: preempted requests recompute")
         blocks = make_allocator(self.args.kv_policy, msg.num_kv_blocks, msg.block_size, max_len,
                                 self.args.prefix_caching)
+        if self.kv_events is not None and isinstance(blocks, BlockManager):
+            blocks.events = self.kv_pending
         return config, blocks, HostBlockPool(msg.num_swap_blocks)
 
     def on_executor_ready(self, msg: ExecutorReady) -> None:
@@ -371,6 +385,15 @@ class SchedulerService:
         self.in_flight.clear()
         self.hello_at = 0.0
 
+    def publish_kv_events(self) -> None:
+        """The cache's changes since the last batch as one KVEventBatch; replay requests answered."""
+        if self.kv_events is None:
+            return
+        if self.kv_pending:
+            self.kv_events.publish(KVEventBatch(time.time(), list(self.kv_pending), self.kv_rank))
+            self.kv_pending.clear()
+        self.kv_events.serve_replay()
+
     # --- the loop ---------------------------------------------------------------------
 
     def _send_step(self, step: ExecuteStep, chunks: list[ScheduledChunk], started: float) -> None:
@@ -433,6 +456,7 @@ class SchedulerService:
                 if ahead is not None:
                     self._send_step(*ahead, time.perf_counter())
             self._flush_replies()  # after the next step left: the executor is not kept waiting for them
+            self.publish_kv_events()
             if self.scheduler is not None and time.monotonic() - self.stats_at >= STATS_INTERVAL_S:
                 self.refresh_stats()
             if self.scheduler is not None and self.watch.due():
@@ -443,6 +467,23 @@ class SchedulerService:
         self._send_replies()
         self.heartbeat.stop()
         self.snapshots_out.close()
+        if self.kv_events is not None:
+            self.publish_kv_events()
+            self.kv_events.close()
+
+
+def kv_event_publisher(ctx: zmq.Context, options: KVEventsOptions, engine: str) -> tuple[KVEventPublisher | None, int]:
+    """The KV events publisher of engine `engine` (None without --kv-events-endpoint), and its rank."""
+    if not options.kv_events_endpoint:
+        return None, 0
+    rank = engine_rank(engine)
+    endpoint = offset_endpoint(options.kv_events_endpoint, rank)
+    replay = offset_endpoint(options.kv_events_replay_endpoint, rank)
+    publisher = KVEventPublisher(ctx, endpoint, replay_endpoint=replay, topic=options.kv_events_topic,
+                                 connect=options.kv_events_connect, allow_network=options.kv_events_allow_network)
+    log.info("publishing KV cache events on %s%s (data-parallel rank %d)", endpoint,
+             f", replay on {replay}" if replay else "", rank)
+    return publisher, rank
 
 
 def run(args: argparse.Namespace) -> int:
