@@ -5,7 +5,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= smollm2
 
-.PHONY: install serve test lint bench compose-tool browser-tool
+.PHONY: install serve test lint bench compose-tool kube-tool browser-tool
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,6 +31,13 @@ compose-tool:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	   docker-compose) >/dev/null 2>&1; } || echo "docker-compose not installed: the compose test will skip"
 
+# kubectl (Debian's kubernetes-client) renders deploy/k8s with `kubectl kustomize` in the tests
+# (tests/launcher/test_kubernetes.py); where it cannot be installed that test skips and says why.
+kube-tool:
+	@command -v kubectl >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	   kubernetes-client) >/dev/null 2>&1; } || echo "kubectl not installed: the Kubernetes manifests' test will skip"
+
 # Headless Chromium (Debian's chromium + chromium-driver) runs the dashboard's browser test
 # (tests/e2e/test_dashboard_browser.py); where it cannot be installed that test skips and says why.
 browser-tool:
@@ -45,7 +52,7 @@ browser-tool:
 TEST_WORKERS ?= 2
 
 # pytest exits 5 when it collects no test: that is not a failure of the suite.
-test: install compose-tool browser-tool
+test: install compose-tool kube-tool browser-tool
 	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 

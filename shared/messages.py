@@ -486,7 +486,8 @@ class Heartbeat(Struct, tag=True):
 # (reference count > 1: parallel samples, beams, prefix-cache hits); cached: kept by the
 # prefix cache, held by nobody, evictable; swapped: a host swap-space block holding a
 # swapped-out sequence's KV (swap_states only); reserved: part of a contiguous
-# reservation held for a fork that has not started (--kv-policy reserve-*).
+# chunk no block table lists (--kv-policy reserve-*): held for a fork that has not
+# started, or the buddy allocator's rounding past a reservation.
 BLOCK_STATES = ("free", "owned", "shared", "cached", "swapped", "reserved")
 BLOCK_FREE, BLOCK_OWNED, BLOCK_SHARED, BLOCK_CACHED, BLOCK_SWAPPED, BLOCK_RESERVED = range(6)
 

@@ -80,6 +80,11 @@ class BlockManager:
         """Cached blocks no sequence holds (kept for reuse until evicted)."""
         return len(self._evictable)
 
+    @property
+    def max_sequence_blocks(self) -> int:
+        """The most blocks one sequence can ever hold: any block serves, so all of them."""
+        return self.num_blocks
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

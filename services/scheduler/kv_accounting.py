@@ -1,22 +1,36 @@
 """Where the KV pool's slots go, in the categories of the paper's Figure 2.
 
-`kv_usage(scheduler)` splits every slot of the pool into exactly one of:
+`kv_usage(scheduler)` splits every slot of the pool, at one instant, into exactly one of:
 
-- token states: slots holding the KV of computed tokens;
-- reserved: allocated slots a running sequence will fill later (positions below its
-  final length, prompt + max_tokens capped at max_model_len; exact with ignore_eos,
-  an upper bound otherwise);
-- internal fragmentation: allocated slots it will never fill (positions at or past
-  its final length): a reservation's over-reservation and block rounding, and for
-  the paged policy the unused tail of a sequence's final block;
-- external fragmentation: free slots in gaps too small for the reservation of the
-  request at the head of the waiting queue (first-fit reservations only; the paged
-  pool has none: any free block serves any request);
-- free: every other free slot, including cached blocks no sequence holds.
+- token states: slots holding the KV of a live sequence's computed tokens;
+- reserved: slots allocated to a sequence that it will fill later, up to its final
+  length (prompt + max_tokens capped at max_model_len: exact with ignore_eos, an
+  upper bound otherwise);
+- internal fragmentation: slots the policy reserved beyond that final length, which
+  the request never uses (reserve-max's 2048 less the real length, reserve-pow2's
+  output rounded up to a power of two; none for reserve-oracle), and for the paged
+  policy the unused tail of a sequence's final block;
+- external fragmentation (contiguous reservations only; any free paged block serves
+  any request): the allocator's own waste, slots of a chunk past the policy's
+  reservation (the buddy allocator's rounding to a power of two, the rounding to whole
+  blocks), plus free slots in holes too small for the chunk of the request at the
+  head of the waiting queue, the one FCFS admits next;
+- free: every other free slot (all of them when nothing waits), including cached
+  blocks no sequence holds.
 
-Paged blocks shared by several sequences are counted once. Shares of the memory in
-use (the pool less `free`) match the paper's Figure 2, whose shares sum to 100%
-of the memory under load; `free_share` is of the whole pool.
+Allocator rounding is external, not internal, as in the paper: its section 3 calls
+internal fragmentation "over-provisioning for potential maximum sequence lengths",
+only known once a request has finished, and external fragmentation what comes "from
+the memory allocator like the buddy allocator" and "is known before serving a
+request"; its Orca (Oracle), placed by a buddy allocator, shows 0% internal.
+
+Paged blocks shared by several sequences are counted once. The shares are of the
+memory in use, the pool less `free`: the four categories sum to 100% like each bar of
+Figure 2. That figure's vLLM bar (96.3% token states) cannot include idle memory, and
+its Orca (Max) bar's 8.9% external fragmentation is the pool's tail no 2048-slot
+chunk fits (15.7K - 7 x 2048 slots, 8.7% of the pool), free yet unusable because a
+request waits. `free_share` is of the whole pool. Callers time-average the slot
+counts and take shares of the averages.
 """
 
 from __future__ import annotations
@@ -121,23 +135,24 @@ def _reserved_usage(scheduler: Scheduler, alloc: ReservingAllocator) -> KVUsage:
     bs, max_len = alloc.block_size, scheduler.config.max_model_len
     token_states = reserved = internal = 0
     for req in scheduler.running:
-        final = _final_len(req, max_len)
-        # its own run, then runs held for its forks (which start from nothing)
-        for length, computed in [(len(req.block_table), req.num_computed_tokens)] + [
-            (n, 0) for n in alloc.fork_runs(req)
-        ]:
-            slots = length * bs
-            reach = min(final, slots)
+        if not req.block_table:  # a fork that found no room holds nothing yet
+            continue
+        final, reservation = _final_len(req, max_len), alloc.reservation_tokens(req)
+        reach = min(final, reservation)
+        # its own reservation, then those held for its forks (which start from nothing)
+        for computed in [req.num_computed_tokens] + [0] * len(alloc.fork_runs(req)):
             token_states += computed
             reserved += reach - computed
-            internal += slots - reach
-    gaps = [n for _, n in alloc.gaps()]
-    need = alloc.reservation_blocks(scheduler.waiting[0]) if scheduler.waiting else 0
-    external = sum(n for n in gaps if n < need) * bs
+            internal += reservation - reach
+    held = alloc.num_used_blocks * bs
+    rounding = held - token_states - reserved - internal
+    holes = [n for _, n in alloc.gaps()]
+    need = alloc.chunk_blocks(scheduler.waiting[0]) if scheduler.waiting else 0
+    unusable = sum(n for n in holes if n < need) * bs
     return KVUsage(
         token_states=token_states,
         reserved=reserved,
         internal_frag=internal,
-        external_frag=external,
-        free=sum(gaps) * bs - external,
+        external_frag=rounding + unusable,
+        free=sum(holes) * bs - unusable,
     )

@@ -7,8 +7,9 @@ blocks is about 90 KB and a few milliseconds. It changes nothing; the scheduler'
 calls it between steps, never while the pool is mid-change.
 
 For the paged pool, reference counts are the block manager's own; for a reservation
-baseline (which shares nothing) they are counted from the block tables, and a run held
-for a fork that has not started is "reserved".
+baseline (which shares nothing) they are counted from the block tables, and a chunk's
+blocks no table lists (held for a fork that has not started, or the buddy allocator's
+rounding past a reservation) are "reserved".
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def pool_snapshot(scheduler: Scheduler, engine: str, instance: str, kv_policy: s
         states = bytearray(min(r, 2) for r in refs)
         cached = []
         for start, length in blocks.runs():
-            if refs[start] == 0:  # a run nobody's table lists: held for a fork
-                states[start:start + length] = bytes([BLOCK_RESERVED]) * length
+            for b in range(start, start + length):
+                if refs[b] == 0:  # a chunk held for a fork, or the allocator's rounding past a table
+                    states[b] = BLOCK_RESERVED
 
     owners = [0] * n
     fill = [0] * n

@@ -9,16 +9,17 @@ the longest it may grow, reserved when it is admitted:
 
 The "real output length" is `params.max_tokens`: exact when the request runs with
 ignore_eos, an upper bound otherwise. A reservation is capped at max_model_len (no
-sequence grows past it) and at the pool.
+sequence grows past it) and at the largest chunk the address space can place.
 
-The pool is one contiguous range of slots, handed out first-fit, so freed
-reservations leave gaps that a larger request cannot use (external fragmentation)
-as in those systems. To give the executor an ordinary block table, a reservation is
-a run of consecutive blocks: its start and length are rounded to block boundaries,
-and the block table lists the run. The rounding is the only difference from a
-slot-granular allocator: each reservation wastes up to block_size - 1 slots past
-its end, which accounting counts as internal fragmentation (so reserve-oracle shows
-some unless block_size is 1), and gaps come in whole blocks.
+The pool is one fixed address space of blocks (`address_space`). By default a
+request's chunk is placed by the binary buddy allocator, as the paper assumes for its
+Orca baselines: the chunk is the reservation rounded up to a power of two of blocks,
+and freed chunks leave holes a larger request cannot use until their buddies are free
+too (external fragmentation). `placement="first-fit"` places exact-size chunks at the
+lowest address that fits instead. The block table lists the reservation's blocks, the
+first of its chunk; the chunk's rest (power-of-two rounding) and the rounding of the
+reservation to whole blocks are the allocator's waste, which accounting counts as
+external fragmentation (known before the request runs), not internal.
 
 The interface is `BlockManager`'s, so the same `Scheduler` runs either. Growing
 within the reservation never needs a block, so `can_append` holds for any request
@@ -27,16 +28,16 @@ shared: there is no prefix cache, and a forked sequence (parallel sample, beam)
 gets a reservation of its own and recomputes its tokens into it. A request with
 parallel samples reserves a run for each sample that fits when it is admitted
 (only its own run must fit, so it never waits on room it may never get); a fork
-that finds no run held for it takes one first-fit then or at its first step, or
+that finds no run held for it takes one then or at its first step, or
 the scheduler preempts it back to the queue until one fits.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from services.scheduler.address_space import make_space
 from services.scheduler.block_manager import BlockManager
 
 if TYPE_CHECKING:
@@ -51,21 +52,22 @@ def next_pow2(n: int) -> int:
 
 
 class ReservingAllocator:
-    """First-fit contiguous reservations over num_blocks blocks of block_size slots."""
+    """Contiguous reservations over num_blocks blocks of block_size slots, placed by
+    a buddy allocator (default) or first fit."""
 
-    def __init__(self, policy: str, num_blocks: int, block_size: int, max_model_len: int):
+    def __init__(self, policy: str, num_blocks: int, block_size: int, max_model_len: int,
+                 placement: str = "buddy"):
         if policy not in RESERVE_POLICIES:
             raise ValueError(f"unknown reservation policy {policy!r}; one of {RESERVE_POLICIES}")
         if num_blocks < 1 or block_size < 1 or max_model_len < 1:
             raise ValueError("num_blocks, block_size and max_model_len must be positive")
         self.policy = policy
+        self.placement = placement
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self._starts: list[int] = []  # sorted starts of the reserved runs
-        self._ends: dict[int, int] = {}  # run start -> end (exclusive)
-        self._for_forks: dict[int, list[int]] = {}  # a parent's run start -> runs its forks will take
-        self._used = 0
+        self.space = make_space(placement, num_blocks)
+        self._for_forks: dict[int, list[int]] = {}  # a parent's chunk start -> chunks its forks will take
         # BlockManager's counters, so `Scheduler.stats()` works with either allocator.
         self.num_cached_blocks = 0
         self.prefix_cache_queries = 0
@@ -75,17 +77,22 @@ class ReservingAllocator:
 
     @property
     def num_used_blocks(self) -> int:
-        return self._used
+        return self.space.used
 
     @property
     def num_free_blocks(self) -> int:
-        return self.num_blocks - self._used
+        return self.num_blocks - self.space.used
+
+    @property
+    def max_sequence_blocks(self) -> int:
+        """The most blocks one sequence can ever hold: the largest chunk there is."""
+        return self.space.largest_chunk
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def reservation_tokens(self, seq: Sequence) -> int:
-        """Slots the policy reserves for seq, before rounding to blocks."""
+        """Slots the policy reserves for seq, before the allocator rounds them."""
         prompt, out = seq.num_prompt_tokens, seq.params.max_tokens
         if self.policy == "reserve-max":
             want = self.max_model_len
@@ -93,51 +100,37 @@ class ReservingAllocator:
             want = prompt + next_pow2(out)
         else:
             want = prompt + out
-        return min(want, self.max_model_len, self.num_blocks * self.block_size)
+        return min(want, self.max_model_len, self.space.largest_chunk * self.block_size)
 
     def reservation_blocks(self, seq: Sequence) -> int:
+        """Blocks seq's block table lists: its reservation in whole blocks."""
         return self.blocks_for(self.reservation_tokens(seq))
 
+    def chunk_blocks(self, seq: Sequence) -> int:
+        """Blocks the allocator takes for seq's reservation."""
+        return self.space.chunk_for(self.reservation_blocks(seq))
+
     def runs(self) -> list[tuple[int, int]]:
-        """Reserved runs as (start block, number of blocks), in address order."""
-        return [(s, self._ends[s] - s) for s in self._starts]
+        """Taken chunks as (start block, number of blocks), in address order."""
+        return self.space.chunks()
 
     def gaps(self) -> list[tuple[int, int]]:
-        """Free runs as (start block, number of blocks), in address order."""
-        out, prev = [], 0
-        for s in self._starts:
-            if s > prev:
-                out.append((prev, s - prev))
-            prev = self._ends[s]
-        if prev < self.num_blocks:
-            out.append((prev, self.num_blocks - prev))
-        return out
+        """Holes as (start block, number of blocks), in address order: maximal free runs
+        under first fit, free buddy blocks under the buddy allocator."""
+        return self.space.holes()
 
     def fork_runs(self, seq: Sequence) -> list[int]:
-        """Lengths in blocks of the runs held for seq's future forks."""
+        """Lengths in blocks of the reservations held for seq's future forks."""
         if not seq.block_table:
             return []
-        return [self._ends[s] - s for s in self._for_forks.get(seq.block_table[0], [])]
+        return [self.reservation_blocks(seq)] * len(self._for_forks.get(seq.block_table[0], []))
 
-    # --- first fit ------------------------------------------------------------------
+    def _take(self, seq: Sequence) -> int | None:
+        """Take a chunk for seq's reservation; its start, or None when no hole fits."""
+        return self.space.take(self.reservation_blocks(seq))
 
-    def _first_fit(self, n: int) -> int | None:
-        """Lowest block where n free blocks start, or None."""
-        prev = 0
-        for s in self._starts:
-            if s - prev >= n:
-                return prev
-            prev = self._ends[s]
-        return prev if self.num_blocks - prev >= n else None
-
-    def _reserve(self, start: int, n: int) -> None:
-        bisect.insort(self._starts, start)
-        self._ends[start] = start + n
-        self._used += n
-
-    def _release(self, start: int) -> None:
-        del self._starts[bisect.bisect_left(self._starts, start)]
-        self._used -= self._ends.pop(start) - start
+    def _fits(self, seq: Sequence) -> bool:
+        return self.space.find(self.reservation_blocks(seq)) is not None
 
     # --- a new sequence -------------------------------------------------------------
 
@@ -146,8 +139,8 @@ class ReservingAllocator:
         return []
 
     def _can_reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
-        n = self.reservation_blocks(seq)
-        return not seq.block_table and self.blocks_for(num_new_tokens) <= n and self._first_fit(n) is not None
+        return (not seq.block_table and self.blocks_for(num_new_tokens) <= self.reservation_blocks(seq)
+                and self._fits(seq))
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int]) -> list[int] | None:
         """Reserve seq's run, and one for each pending fork that fits now; sets
@@ -161,16 +154,14 @@ class ReservingAllocator:
 
     def _take_runs(self, seq: Sequence) -> None:
         n = self.reservation_blocks(seq)
-        start = self._first_fit(n)
+        start = self._take(seq)
         assert start is not None
-        self._reserve(start, n)
         seq.block_table.extend(range(start, start + n))
         held = []
         for _ in range(getattr(seq, "pending_forks", 0)):
-            fork_start = self._first_fit(n)
+            fork_start = self._take(seq)
             if fork_start is None:
                 break
-            self._reserve(fork_start, n)
             held.append(fork_start)
         if held:
             self._for_forks[start] = held
@@ -197,25 +188,21 @@ class ReservingAllocator:
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         end = seq.num_computed_tokens + num_new_tokens
         if not seq.block_table:  # forked without room: it reserves now or waits
-            return end <= self.reservation_blocks(seq) * self.block_size and (
-                self._first_fit(self.reservation_blocks(seq)) is not None
-            )
+            return end <= self.reservation_blocks(seq) * self.block_size and self._fits(seq)
         return end <= len(seq.block_table) * self.block_size
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         if not self.can_append(seq, num_new_tokens):
             raise RuntimeError("append past the reservation: call can_append first")
         if not seq.block_table:
-            n = self.reservation_blocks(seq)
-            start = self._first_fit(n)
-            self._reserve(start, n)
-            seq.block_table.extend(range(start, start + n))
+            start = self._take(seq)
+            seq.block_table.extend(range(start, start + self.reservation_blocks(seq)))
         return []
 
     # --- forks and release ----------------------------------------------------------
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child takes a run held for it, or first-fit now, and computes from 0.
+        """The child takes a chunk held for it, or one placed now, and computes from 0.
 
         With no room (or a parent holding nothing) the child gets no run yet: it
         reserves one at its first append if a gap fits by then (see `can_append`),
@@ -232,19 +219,18 @@ class ReservingAllocator:
             if not held:
                 del self._for_forks[parent.block_table[0]]
         else:
-            start = self._first_fit(self.reservation_blocks(parent))
+            start = self._take(parent)
             if start is None:
                 return
-            self._reserve(start, self.reservation_blocks(parent))
-        child.block_table.extend(range(start, self._ends[start]))
+        child.block_table.extend(range(start, start + self.reservation_blocks(parent)))
 
     def free(self, seq: Sequence) -> None:
         if not seq.block_table:
             return
         start = seq.block_table[0]
         for fork_start in self._for_forks.pop(start, []):
-            self._release(fork_start)
-        self._release(start)
+            self.space.release(fork_start)
+        self.space.release(start)
         seq.block_table.clear()
 
     def slot_mapping(self, seq: Sequence, start: int, num_tokens: int) -> list[int]:
@@ -254,33 +240,31 @@ class ReservingAllocator:
     # --- invariants -----------------------------------------------------------------
 
     def check_invariants(self, tables: Iterable[list[int]]) -> None:
-        """Raise AssertionError unless runs are disjoint, each table is one whole run,
-        and every run belongs to one table or is held for a fork."""
+        """Raise AssertionError unless the chunks and holes tile the pool (disjoint,
+        coalesced), each table is the start of one chunk, and every chunk belongs to
+        one table or is held for a fork."""
+        self.space.check_invariants()
         tables = list(tables)
-        prev = 0
-        for s in self._starts:
-            assert s >= prev, f"run at block {s} overlaps the one before"
-            assert self._ends[s] > s, f"empty run at block {s}"
-            prev = self._ends[s]
-        assert prev <= self.num_blocks, "a run ends past the pool"
-        assert sorted(self._ends) == self._starts
-        assert self._used == sum(e - s for s, e in self._ends.items())
         assert self.num_used_blocks + self.num_free_blocks == self.num_blocks
+        chunks = dict(self.runs())
         owners = [t[0] for t in tables if t]
         held = [s for starts in self._for_forks.values() for s in starts]
-        assert sorted(owners + held) == self._starts, "runs and block tables disagree"
-        assert set(self._for_forks) <= set(owners), "fork runs held for a sequence that left"
+        assert sorted(owners + held) == sorted(chunks), "chunks and block tables disagree"
+        assert set(self._for_forks) <= set(owners), "fork chunks held for a sequence that left"
         for t in tables:
             if t:
-                assert t == list(range(t[0], self._ends[t[0]])), f"table at {t[0]} is not its whole run"
+                assert t == list(range(t[0], t[0] + len(t))), f"table at {t[0]} is not contiguous"
+                assert len(t) <= chunks[t[0]], f"table at {t[0]} runs past its chunk"
 
 
 def make_allocator(
-    policy: str, num_blocks: int, block_size: int, max_model_len: int, enable_prefix_caching: bool = True
+    policy: str, num_blocks: int, block_size: int, max_model_len: int, enable_prefix_caching: bool = True,
+    placement: str = "buddy",
 ) -> BlockManager | ReservingAllocator:
-    """The KV allocator for `--kv-policy`: the paged block manager or a reservation baseline."""
+    """The KV allocator for `--kv-policy`: the paged block manager or a reservation baseline
+    (placed by `placement`, see `address_space`)."""
     if policy == "paged":
         return BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
     if policy in RESERVE_POLICIES:
-        return ReservingAllocator(policy, num_blocks, block_size, max_model_len)
+        return ReservingAllocator(policy, num_blocks, block_size, max_model_len, placement)
     raise ValueError(f"unknown KV policy {policy!r}; one of {POLICIES}")

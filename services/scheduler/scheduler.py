@@ -116,6 +116,7 @@ class Scheduler:
         self.swap = swap if config.preemption_mode == "swap" else None
         self.num_swapped_out_total = 0
         self.num_swapped_in_total = 0
+        self.num_forked_at_admission = 0  # requests forked with no chunk (the cache held their prompt)
         self.by_priority = config.scheduling_policy == "priority"
         self.waiting: deque[Sequence] | PriorityWaiting = PriorityWaiting() if self.by_priority else deque()
         self.running: list[Sequence] = []
@@ -157,10 +158,12 @@ class Scheduler:
                 f"exceeds the maximum context length of {self.config.max_model_len} tokens"
             )
         need = self.blocks.blocks_for(req.max_total_tokens)
-        if need > self.blocks.num_blocks:
+        if need > self.blocks.max_sequence_blocks:
+            whole = ("the whole KV cache holds" if self.blocks.max_sequence_blocks == self.blocks.num_blocks
+                     else "the largest contiguous reservation holds")
             return (
-                f"the request needs up to {need} KV blocks but the whole KV cache holds "
-                f"{self.blocks.num_blocks}; lower max_tokens or the prompt length"
+                f"the request needs up to {need} KV blocks but {whole} "
+                f"{self.blocks.max_sequence_blocks}; lower max_tokens or the prompt length"
             )
         worst = self.executor_states.worst_cost(req, self.config.max_num_batched_tokens, self.blocks.block_size)
         if worst > self.config.max_step_bytes:
@@ -353,7 +356,20 @@ class Scheduler:
 
     def schedule(self) -> tuple[ExecuteStep, list[ScheduledChunk]] | None:
         """The next step. Called only once every step before it has been answered (its
-        result applied, or `undo_swaps` after it failed), so their swap-outs are done."""
+        result applied, or `undo_swaps` after it failed), so their swap-outs are done.
+
+        None means nothing can run until something changes (the stage then sleeps until a
+        message comes). An admission can fork a request whose prompt the cache holds up to
+        the fork point without giving it a chunk: when that leaves the step empty, its
+        samples are running now and are scheduled at once rather than after the next
+        message (found by the pipelined random-workload test)."""
+        forks = self.num_forked_at_admission
+        step = self._schedule_once()
+        if step is None and self.num_forked_at_admission != forks:
+            step = self._schedule_once()
+        return step
+
+    def _schedule_once(self) -> tuple[ExecuteStep, list[ScheduledChunk]] | None:
         self._swap_outs.clear()
         self._priority_blocked = False
         budget = self.config.max_num_batched_tokens
@@ -635,6 +651,7 @@ class Scheduler:
         self._add_running(req)
         if n == 0:  # the cache already holds everything before the fork point
             self._fork(req)
+            self.num_forked_at_admission += 1
         else:
             chunks.append(ScheduledChunk(req, n, restored=restoring))
         return True

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from services.scheduler.address_space import PLACEMENTS
 from services.scheduler.reservation import POLICIES
 from services.simulator import report
 from services.simulator.engine import SimConfig, simulate
@@ -24,6 +25,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="paged block size in tokens")
     p.add_argument("--reserve-block-size", type=int, default=1,
                    help="granularity of reservations (1: token slots, as Orca; the engine rounds to blocks)")
+    p.add_argument("--placement", choices=PLACEMENTS, default="buddy",
+                   help="where a reservation's chunk goes: the buddy allocator (the paper's Orca) or first fit")
     p.add_argument("--max-model-len", type=int, default=2048, help="longest sequence (OPT: 2048)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -35,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     warmup = args.duration / 10 if args.warmup is None else args.warmup
     cfg = SimConfig(
         kv_slots=args.kv_slots, duration_s=args.duration, warmup_s=warmup, block_size=args.block_size,
-        reserve_block_size=args.reserve_block_size, max_model_len=args.max_model_len,
+        reserve_block_size=args.reserve_block_size, placement=args.placement, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
     )
     trace = make_trace(args.dataset, args.request_rate, args.duration, args.seed, args.max_model_len)
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         print(report.to_json(results))
     else:
         header = (f"{args.dataset}, {cfg.pool_slots} KV slots (paged block {args.block_size}, reservations in "
-                  f"units of {args.reserve_block_size}), {args.request_rate:g} req/s, {args.duration:g} s simulated "
+                  f"units of {args.reserve_block_size}, placed by {args.placement}), {args.request_rate:g} req/s, {args.duration:g} s simulated "
                   f"(warm-up {warmup:g} s), seed {args.seed}, {len(trace)} requests")
         print(report.table(results, args.dataset, args.request_rate, header))
     sys.stdout.flush()

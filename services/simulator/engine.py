@@ -14,6 +14,9 @@ planned) by the step's duration; idle time counts as an unchanged pool and an
 empty batch. KV shares are of the time-averaged memory in use (see
 `kv_accounting`).
 
+The reservation baselines' chunks are placed by the buddy allocator, as the paper's
+Orca (`SimConfig.placement`; first fit for comparison, see `address_space`).
+
 Prefix caching is off: the paper's baselines have none and its traces share no
 prefixes. The scheduler keeps its serving limits (max_num_seqs 256, a 2048-token
 budget per step, close to vLLM's 256 and 2560 of the time): in the paper's settings
@@ -45,6 +48,7 @@ class SimConfig:
     # Orca and FasterTransformer reserve token slots, not blocks: 1 reproduces them;
     # the served engine's reservations are block-rounded (use block_size to see it).
     reserve_block_size: int = 1
+    placement: str = "buddy"  # where reservations go (see services/scheduler/address_space.py)
     max_model_len: int = 2048  # OPT
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -118,7 +122,8 @@ class _TimeAverage:
 
 def build_scheduler(policy: str, cfg: SimConfig) -> Scheduler:
     bs = cfg.block_size if policy == "paged" else cfg.reserve_block_size
-    allocator = make_allocator(policy, cfg.pool_slots // bs, bs, cfg.max_model_len, enable_prefix_caching=False)
+    allocator = make_allocator(policy, cfg.pool_slots // bs, bs, cfg.max_model_len, enable_prefix_caching=False,
+                               placement=cfg.placement)
     config = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len
     )

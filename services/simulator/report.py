@@ -67,7 +67,9 @@ def table(results: list[PolicyResult], dataset: str, rate: float, header: str) -
     lines += [
         "Shares of the KV memory in use (pool minus the free slots the next request could use), from slot",
         "counts time-averaged after the warm-up; they sum to 100% like the paper's Figure 2. free/pool: free",
-        "slots over the whole pool. batched: running requests per step, time-averaged. paper: Kwon et al. 2023",
+        "slots over the whole pool. internal: reserved past a request's real length; external: the allocator's",
+        "rounding past a reservation, and holes too small for the waiting head's chunk (see kv_accounting).",
+        "batched: running requests per step, time-averaged. paper: Kwon et al. 2023",
         "(Fig. 2 for shares, Fig. 13 for batched; vLLM = paged, Orca (Max/Pow2/Oracle) = reserve-*).",
         "norm.lat: mean (finish - arrival) / output tokens of requests that arrived after the warm-up and finished.",
     ]

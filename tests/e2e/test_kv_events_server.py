@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from itertools import pairwise
 
 import pytest
 import zmq
@@ -89,7 +90,7 @@ def test_a_prompt_of_two_blocks_is_published_as_a_stored_chain(server_and_sub):
     assert stored[0].parent_block_hash is None
     tokens = [t for e in stored for t in e.token_ids]
     assert tokens[: 2 * block_size] == prompt[: 2 * block_size]
-    for before, after in zip(stored, stored[1:]):  # later events chain to the blocks before
+    for before, after in pairwise(stored):  # later events chain to the blocks before
         assert after.parent_block_hash == before.block_hashes[-1]
 
     server.wait_blocks_free()

@@ -8,6 +8,7 @@ import asyncio
 from services.gateway.engine_client import EngineClient
 from shared.config import Addresses
 from shared.messages import (
+    AbortRequest,
     GatewayBeat,
     GatewayToScheduler,
     GatewayToTokenizer,
@@ -18,7 +19,7 @@ from shared.messages import (
     TokenizedRequest,
     TokenizerToGateway,
 )
-from shared.transport import DealerSocket, PushSocket, RouterSocket
+from shared.transport import SENT, DealerSocket, PushSocket, RouterSocket
 
 EOS = 2
 
@@ -82,8 +83,21 @@ async def started(tmp_path, contexts, tok, replicas=("t",)):
     reader = asyncio.get_running_loop().create_task(client.run_reader())
     tokenizers = [FakeTokenizer(sync, addrs, name) for name in replicas]
     scheduler = FakeScheduler(sync, addrs)
-    await asyncio.sleep(0.2)  # every peer connected (a replica not connected yet is skipped)
+    for name, tokenizer in zip(replicas, tokenizers, strict=True):
+        await _connected(client, name, tokenizer)
     return client, reader, tokenizers, scheduler, retries
+
+
+async def _connected(client: EngineClient, name: str, tokenizer: FakeTokenizer, timeout_s: float = 30.0) -> None:
+    """Wait until the gateway's ROUTER can reach the replica (a frame to a peer not yet connected
+    is dropped: a fixed pause lost requests on a loaded host), then drop the probe it received."""
+    probe = AbortRequest("connect-probe")
+    for _ in range(int(timeout_s / 0.02)):
+        if client._to_tokenizer._sock.try_send(name.encode(), probe) == SENT:
+            await tokenizer.take(AbortRequest)
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"replica {name} never connected")
 
 
 async def stopped(reader):

@@ -110,14 +110,14 @@ def test_malformed_json(raw):
 @pytest.mark.parametrize("number", ["-21545974458559721472", str(2**64), str(-(2**63) - 1)])
 def test_an_integer_beyond_64_bits_anywhere_in_the_body_is_a_400(number):
     """msgpack, the stages' wire format, carries no such integer: refused where the body is read."""
-    raw = ('{"messages": [], "tools": [{"input_schema": {"x": %s}}]}' % number).encode()
+    raw = ('{"messages": [], "tools": [{"input_schema": {"x": ' + number + '}}]}').encode()
     with pytest.raises(ApiError) as info:
         parse_json(raw)
     assert info.value.status == 400 and "64 bits" in info.value.message
 
 
 def test_integers_of_64_bits_and_big_floats_are_taken():
-    body = parse_json(('{"a": %d, "b": %d, "c": 1e300}' % (2**64 - 1, -(2**63))).encode())
+    body = parse_json(f'{{"a": {2**64 - 1}, "b": {-(2**63)}, "c": 1e300}}'.encode())
     assert body == {"a": 2**64 - 1, "b": -(2**63), "c": 1e300}
 
 

@@ -1,4 +1,4 @@
-"""KV pool accounting: hand-checked splits for the paged pool and for first-fit
+"""KV pool accounting: hand-checked splits for the paged pool and for first-fit and buddy
 reservations, and every slot in exactly one category while a scheduler runs."""
 
 import random
@@ -54,7 +54,8 @@ def test_paged_blocks_shared_by_forks_count_once():
 
 
 def test_reservation_gaps_too_small_for_the_head_of_the_queue_are_external_fragmentation():
-    sched = Scheduler(SchedulerConfig(max_model_len=64), ReservingAllocator("reserve-oracle", 10, 4, 64))
+    sched = Scheduler(SchedulerConfig(max_model_len=64),
+                      ReservingAllocator("reserve-oracle", 10, 4, 64, placement="first-fit"))
     a, b, c, d = req("a", 8, 4), req("b", 6, 2), req("c", 8, 4), req("d", 9, 3)  # 3, 2, 3, 3 blocks
     for r in (a, b, c, d):
         sched.add_request(r)
@@ -71,12 +72,30 @@ def test_reservation_gaps_too_small_for_the_head_of_the_queue_are_external_fragm
 
 @pytest.mark.parametrize("policy, internal", [("reserve-max", 32 - 12), ("reserve-pow2", 8 + 4 - 11)])
 def test_over_reservation_is_internal_fragmentation(policy, internal):
-    sched = Scheduler(SchedulerConfig(max_model_len=32), ReservingAllocator(policy, 8, 4, 32))
+    alloc = ReservingAllocator(policy, 8, 4, 32, placement="first-fit")
+    sched = Scheduler(SchedulerConfig(max_model_len=32), alloc)
     sched.add_request(req("a", 8, 4 if policy == "reserve-max" else 3))
     step(sched)
     u = kv_usage(sched)
     assert (u.token_states, u.internal_frag, u.external_frag) == (8, internal, 0)
     assert u.token_states + u.reserved + u.internal_frag == sched.blocks.num_used_blocks * 4
+
+
+def test_buddy_rounding_is_external_and_over_reservation_internal():
+    # pow2: 9 + next_pow2(3) = 13 slots -> 4 blocks of 4 (3 slots of block rounding), and
+    # the buddy chunk of 4 blocks is already a power of two; oracle: 12 slots -> 3 blocks -> 4
+    for policy, internal, rounding in (("reserve-pow2", 13 - 12, 16 - 13), ("reserve-oracle", 0, 16 - 12)):
+        sched = Scheduler(SchedulerConfig(max_model_len=32), ReservingAllocator(policy, 8, 4, 32))
+        sched.add_request(req("a", 9, 3))
+        step(sched)
+        u = kv_usage(sched)
+        assert split(u) == (9, 3, internal, rounding, 16), policy
+    # the waiting head's chunk is 8 blocks: the free block of 4 is too small, all of it external
+    sched = Scheduler(SchedulerConfig(max_model_len=32), ReservingAllocator("reserve-oracle", 8, 4, 32))
+    sched.add_request(req("a", 9, 3))
+    step(sched)
+    sched.waiting.append(req("b", 20, 8))
+    assert split(kv_usage(sched)) == (9, 3, 0, 4 + 16, 0)
 
 
 def test_shares_are_of_the_memory_in_use():
@@ -107,9 +126,12 @@ def test_every_slot_is_in_one_category_at_every_step(policy):
         u = kv_usage(sched)
         assert min(split(u)) >= 0 and u.total == num_blocks * bs
         held = sched.blocks.num_used_blocks * bs
-        assert u.token_states + u.reserved + u.internal_frag == held
-        assert u.external_frag + u.free == num_blocks * bs - held
         if policy == "paged":
+            assert u.token_states + u.reserved + u.internal_frag == held
             assert u.external_frag == 0
+        else:  # the allocator's rounding of held chunks is external
+            assert u.token_states + u.reserved + u.internal_frag <= held
+            assert u.free <= num_blocks * bs - held
+        assert u.total == num_blocks * bs
         assert u.token_states <= sum(r.num_computed_tokens for r in sched.running)
     assert steps > 30 and kv_usage(sched).free == num_blocks * bs

@@ -1,5 +1,6 @@
-"""Reservation baselines: sizes per policy, first-fit with external fragmentation, the
-scheduler running on them, and invariants under random operations (hypothesis)."""
+"""Reservation baselines: sizes per policy, first fit with external fragmentation, the
+buddy placement's chunks, the scheduler running on them, and invariants under random
+operations (hypothesis; the address spaces alone are in test_address_space)."""
 
 import pytest
 from hypothesis import given, settings
@@ -34,14 +35,16 @@ def test_reservation_size_per_policy():
     assert sizes == {"reserve-max": 2048, "reserve-pow2": 100 + 512, "reserve-oracle": 400}
     long = req("b", 1500, 540)  # 1500 + 1024 capped at max_model_len
     assert ReservingAllocator("reserve-pow2", 4096, 1, 2048).reservation_tokens(long) == 2048
-    assert ReservingAllocator("reserve-max", 1000, 1, 2048).reservation_tokens(r) == 1000  # the whole pool
+    whole_pool = ReservingAllocator("reserve-max", 1000, 1, 2048, placement="first-fit")
+    assert whole_pool.reservation_tokens(r) == 1000
+    assert ReservingAllocator("reserve-max", 1000, 1, 2048).reservation_tokens(r) == 512  # the largest buddy block
     rounded = ReservingAllocator("reserve-oracle", 100, 16, 2048)
     assert rounded.reservation_blocks(r) == 25  # 400 slots = 25 blocks exactly
     assert rounded.reservation_blocks(req("c", 100, 301)) == 26
 
 
 def test_first_fit_leaves_gaps_a_larger_request_cannot_use():
-    alloc = ReservingAllocator("reserve-oracle", 10, 4, 64)
+    alloc = ReservingAllocator("reserve-oracle", 10, 4, 64, placement="first-fit")
     a, b, c = req("a", 8, 4), req("b", 4, 4), req("c", 10, 2)  # 3, 2, 3 blocks
     for s in (a, b, c):
         admit(alloc, s)
@@ -59,14 +62,43 @@ def test_first_fit_leaves_gaps_a_larger_request_cannot_use():
     alloc.check_invariants([big.block_table, small.block_table, c.block_table])
 
 
+def test_buddy_chunks_are_powers_of_two_and_merge_back():
+    alloc = ReservingAllocator("reserve-oracle", 12, 4, 64)  # top blocks of 8 (at 0) and 4 (at 8)
+    a, b, c = req("a", 8, 4), req("b", 4, 4), req("c", 17, 3)  # 3, 2, 5 blocks -> chunks of 4, 2, 8
+    admit(alloc, a)
+    assert a.block_table == [8, 9, 10]  # the smallest free block that fits: no split
+    admit(alloc, b)
+    assert b.block_table == [0, 1]  # 8 split into 4 + 4, then 2 + 2
+    assert alloc.runs() == [(0, 2), (8, 4)] and alloc.gaps() == [(2, 2), (4, 4)]
+    alloc.free(a)
+    assert alloc.gaps() == [(2, 2), (4, 4), (8, 4)]  # 10 blocks free, no hole of 8
+    assert alloc.allocate_slots(c, 17, []) is None and alloc.num_free_blocks == 10
+    alloc.free(b)
+    assert alloc.gaps() == [(0, 8), (8, 4)]  # 0+2, then 0+4 were buddies; 8's buddy is past the pool
+    admit(alloc, c)
+    assert c.block_table == [0, 1, 2, 3, 4] and alloc.num_used_blocks == 8
+    alloc.check_invariants([c.block_table])
+
+
+def test_a_request_no_buddy_block_can_hold_never_fits():
+    # 12 blocks of 4: the largest buddy block is 8 blocks, 32 slots
+    sched = Scheduler(SchedulerConfig(max_model_len=64), ReservingAllocator("reserve-oracle", 12, 4, 64))
+    assert sched.check_fits(req("ok", 20, 12)) is None
+    problem = sched.check_fits(req("big", 30, 10))
+    assert problem is not None and "largest contiguous reservation holds 8" in problem
+    first_fit = Scheduler(SchedulerConfig(max_model_len=64),
+                          ReservingAllocator("reserve-oracle", 12, 4, 64, placement="first-fit"))
+    assert first_fit.check_fits(req("big", 30, 10)) is None
+
+
 def test_growth_stays_inside_the_reservation():
     alloc = ReservingAllocator("reserve-pow2", 64, 4, 256)
-    s = req("a", 6, 3)  # 6 + 4 slots -> 3 blocks
+    s = req("a", 6, 3)  # 6 + 4 slots -> 3 blocks, a chunk of 4
     admit(alloc, s)
-    assert len(s.block_table) == 3 and alloc.num_used_blocks == 3
+    assert len(s.block_table) == 3 and alloc.num_used_blocks == 4
     assert alloc.slot_mapping(s, 4, 3) == [s.block_table[0] * 4 + p for p in (4, 5, 6)]
     assert alloc.can_append(s, 6) and not alloc.can_append(s, 7)
-    assert alloc.append_slots(s, 6) == [] and alloc.num_used_blocks == 3
+    assert alloc.append_slots(s, 6) == [] and alloc.num_used_blocks == 4
     with pytest.raises(RuntimeError):
         alloc.append_slots(s, 7)
     alloc.free(s)
@@ -74,7 +106,7 @@ def test_growth_stays_inside_the_reservation():
 
 
 def test_fork_takes_a_run_held_since_admission_and_recomputes():
-    alloc = ReservingAllocator("reserve-oracle", 16, 4, 64)
+    alloc = ReservingAllocator("reserve-oracle", 16, 4, 64, placement="first-fit")
     parent = req("p", 8, 4, n=3)
     parent.pending_forks = 2
     admit(alloc, parent)
@@ -91,7 +123,7 @@ def test_fork_takes_a_run_held_since_admission_and_recomputes():
 
 
 def test_a_fork_without_room_reserves_at_its_first_step_or_waits():
-    alloc = ReservingAllocator("reserve-oracle", 6, 4, 64)
+    alloc = ReservingAllocator("reserve-oracle", 6, 4, 64, placement="first-fit")
     parent = req("p", 8, 4)  # 3 blocks
     admit(alloc, parent)
     other = req("o", 8, 4)
@@ -110,6 +142,8 @@ def test_make_allocator():
     assert isinstance(make_allocator("paged", 8, 4, 64), BlockManager)
     assert make_allocator("paged", 8, 4, 64, enable_prefix_caching=False).enable_prefix_caching is False
     assert make_allocator("reserve-max", 8, 4, 64).policy == "reserve-max"
+    assert make_allocator("reserve-max", 8, 4, 64).placement == "buddy"
+    assert make_allocator("reserve-max", 8, 4, 64, placement="first-fit").placement == "first-fit"
     with pytest.raises(ValueError):
         make_allocator("reserve-half", 8, 4, 64)
 
@@ -201,7 +235,7 @@ def first_free_run(taken, n):
 @given(policy=st.sampled_from(["reserve-max", "reserve-pow2", "reserve-oracle"]),
        block_size=st.sampled_from([1, 4, 16]), ops=ops)
 def test_reservations_never_overlap_and_first_fit_takes_the_lowest_gap(policy, block_size, ops):
-    alloc = ReservingAllocator(policy, 256 // block_size, block_size, 96)
+    alloc = ReservingAllocator(policy, 256 // block_size, block_size, 96, placement="first-fit")
     live: list[Sequence] = []
     for op in ops:
         tables = [s.block_table for s in live]

@@ -589,3 +589,19 @@ def test_requests_of_a_held_owner_wait_while_the_others_run():
     outputs, _ = run_until_done(sched, executor=executor)
     assert outputs["w"] == reference_output(waiting.prompt_token_ids, 3)
     assert first["r"] + outputs["r"] == reference_output(running.prompt_token_ids, 3)
+
+
+def test_samples_forked_at_admission_from_the_cache_run_in_that_very_step():
+    """n=2 over a prompt the cache holds up to the fork point: admission forks it with no chunk
+    of its own. schedule() once returned None there (the stage then slept until a message came)
+    and the pipelined random-workload test lost the request."""
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4))
+    sched.add_request(make("shared", 13, 1))
+    run_until_done(sched)  # its 3 full blocks are cached now
+    twice = make("shared", 13, 1, n=2)
+    twice.request_id = "twice"
+    sched.add_request(twice)
+    step, chunks = sched.schedule()
+    assert sorted(c.sequence.seq_index for c in chunks) == [0, 1] and sched.num_forked_at_admission == 1
+    assert all(s.start_pos == 12 and len(s.token_ids) == 1 for s in step.seqs)  # only the last prompt token
+    sched.check_invariants()

@@ -98,3 +98,38 @@ def test_table_prints_the_papers_figures_beside_ours(capsys):
     paged_row = next(line for line in out.splitlines() if line.startswith("paged"))
     assert "96.3%" in paged_row and "30.42" in paged_row
     assert "memory in use" in out
+
+
+def table_rows(out: str) -> dict[str, list[str]]:
+    """policy -> the cells of its row in `simulate`'s table."""
+    policies = ("reserve-max", "reserve-pow2", "reserve-oracle", "paged")
+    return {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in ([p] for p in policies)}
+
+
+@pytest.mark.parametrize("dataset, rate, duration, fig13", [
+    ("sharegpt", "2", "60", ("7.00", "9.81", "13.62", "30.42")),
+    ("alpaca", "30", "30", ("7.00", "43.24", "72.75", "132.44")),
+])
+def test_printed_figures_2_and_13_rank_max_pow2_oracle_paged(capsys, dataset, rate, duration, fig13):
+    """The table at the paper's pool (15.7K slots) and rates, shortened: buddy placement,
+    the paper's figures beside ours, and both figures in the paper's order."""
+    argv = ["simulate", "--dataset", dataset, "--kv-slots", "15700", "--request-rate", rate,
+            "--duration", duration, "--seed", "0", "--policy", "all"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "placed by buddy" in out.splitlines()[0]
+    rows = table_rows(out)
+    order = ["reserve-max", "reserve-pow2", "reserve-oracle", "paged"]
+    assert [rows[p][10] for p in order] == list(fig13)  # Figure 13 beside ours
+    token_states = [float(rows[p][1].rstrip("%")) for p in order]
+    batched = [float(rows[p][9]) for p in order]
+    assert token_states == sorted(token_states) and len(set(token_states)) == 4, token_states
+    assert batched == sorted(batched) and len(set(batched)) == 4, batched
+    shares = {p: [float(c.rstrip("%")) for c in rows[p][1:9:2]] for p in order}
+    assert all(sum(s) == pytest.approx(100, abs=0.3) for s in shares.values())
+    assert shares["paged"][3] == 0 and shares["reserve-oracle"][2] == 0  # no external / no internal
+    # the buddy allocator's holes and rounding: most of Pow2's and Oracle's waste is external
+    for p in ("reserve-pow2", "reserve-oracle"):
+        assert shares[p][3] > max(shares[p][2], shares["reserve-max"][3]), (p, shares[p])
+    if dataset == "sharegpt":  # Figure 2 beside ours
+        assert [rows["reserve-pow2"][i] for i in (2, 4, 6, 8)] == ["26.8%", "17.9%", "13.6%", "41.6%"]

@@ -235,7 +235,7 @@
 
       $(".policy-note", node).textContent = s.kv_policy === "paged"
         ? "(paged: blocks on demand, no external fragmentation)"
-        : `(${s.kv_policy}: contiguous reservations, first fit)`;
+        : `(${s.kv_policy}: contiguous reservations, buddy allocator)`;
       const total = s.num_blocks * s.block_size;
       const inUse = total - s.kv_slots_free;
       for (const [field] of ACCOUNTING) {
@@ -313,7 +313,7 @@
       }
       for (const [id, seqs] of byRequest) lines.push(id, ...seqs);
       if (state === "cached") lines.push("in the prefix cache, held by nobody (evictable)");
-      if (state === "reserved") lines.push("reserved for a fork that has not started");
+      if (state === "reserved") lines.push("in a reservation's chunk, no table lists it: held for a fork that has not started, or the allocator's rounding");
       return lines.join("\n");
     }
 
