@@ -4,9 +4,8 @@ run) and the executor (its slot table and host cache). Free of torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import argparse
+from dataclasses import dataclass
 
 from shared.options import option, positive
 
