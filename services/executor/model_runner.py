@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -108,8 +109,9 @@ class ModelRunner:
         self.max_model_len: int = config.max_position_embeddings
         self.vocab_size: int = config.vocab_size
         self.sampler = Sampler(seed=seed, device=self.device)
-        self.loras = ExecutorLoras(lora_options or LoraOptions(), BaseShapes.of_config(config), self.dtype,
-                                   self.device, self.tp.size)
+        # shapes only: the gateway checked the adapter's base model name when it registered it
+        self.loras = ExecutorLoras(lora_options or LoraOptions(), replace(BaseShapes.of_config(config), names=frozenset()),
+                                   self.dtype, self.device, self.tp.size)
         self.model_dir = model_dir
         self.grammar: GrammarMasks | None = None  # made on the first constrained request
         self._grammar_threads: ThreadPoolExecutor | None = None
