@@ -20,14 +20,15 @@ from services.gateway.options import GatewayOptions
 from services.scheduler.options import KVEventsOptions, SchedulerOptions, SchedulingOptions
 from services.tokenizer.options import TokenizerOptions
 from shared.config import BatchLimits, ContextOptions, EngineName, LogOptions, ModelOptions, add_address_args
+from shared.lora_options import LoraOptions
 from shared.options import add_options, from_args, option_classes, to_argv
 
 STAGE_GROUPS: dict[str, tuple[type, ...]] = {
-    "gateway": (ModelOptions, GatewayOptions, SchedulingOptions, LogOptions),
+    "gateway": (ModelOptions, GatewayOptions, SchedulingOptions, LoraOptions, LogOptions),
     "tokenizer": (ModelOptions, ContextOptions, TokenizerOptions, LogOptions),
     "scheduler": (EngineName, BatchLimits, ContextOptions, SchedulerOptions, SchedulingOptions, KVEventsOptions,
-                  LogOptions),
-    "executor": (ModelOptions, EngineName, ExecutorOptions, ParallelOptions, LogOptions),
+                  LoraOptions, LogOptions),
+    "executor": (ModelOptions, EngineName, ExecutorOptions, ParallelOptions, LoraOptions, LogOptions),
     # an engine served to NVIDIA Dynamo (`serve --dynamo`): the scheduler's KV events are relayed
     "dynamo-worker": (ModelOptions, EngineName, ContextOptions, BatchLimits, KVEventsOptions, DynamoOptions,
                       LogOptions),

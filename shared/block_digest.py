@@ -5,6 +5,9 @@ two blocks share a key only if their whole prefixes (and salts) are equal:
 
     root     = 32 zero bytes                              (no cache_salt)
              = SHA-256(b"pagedserve-cache-salt\\0" + salt as UTF-8)   (cache_salt set)
+             = SHA-256(b"pagedserve-lora\\0" + adapter digest (64 hex) + b"\\0" + salt, or b"\\1" without)
+                                                          (a LoRA adapter: the same tokens under
+                                                           another adapter are other KV)
     digest_i = SHA-256(digest_{i-1} (root for i = 0) + tokens of block i as int64 little-endian)
 
 Each block holds exactly block_size tokens, so the encoding is unambiguous. The scheduler's
@@ -22,10 +25,15 @@ from array import array
 
 NO_SALT_ROOT = bytes(32)
 _SALT_PREFIX = b"pagedserve-cache-salt\0"
+_LORA_PREFIX = b"pagedserve-lora\0"
 
 
-def root_digest(salt: str | None) -> bytes:
-    """The parent of a request's first block: requests with different salts share nothing."""
+def root_digest(salt: str | None, lora_digest: str | None = None) -> bytes:
+    """The parent of a request's first block: requests with different salts, or under different
+    LoRA adapters (their files' digests, a fixed 64 hex characters), share nothing."""
+    if lora_digest is not None:
+        tail = b"\1" if salt is None else b"\0" + salt.encode("utf-8", "surrogatepass")
+        return hashlib.sha256(_LORA_PREFIX + lora_digest.encode("ascii") + tail).digest()
     if salt is None:
         return NO_SALT_ROOT
     return hashlib.sha256(_SALT_PREFIX + salt.encode("utf-8", "surrogatepass")).digest()
@@ -46,6 +54,7 @@ def chain_digests(parent: bytes, token_ids: list[int], block_size: int) -> list[
     return digests
 
 
-def block_digests(token_ids: list[int], block_size: int, salt: str | None = None) -> list[bytes]:
+def block_digests(token_ids: list[int], block_size: int, salt: str | None = None,
+                  lora_digest: str | None = None) -> list[bytes]:
     """The chained digests of every full block of a prompt."""
-    return chain_digests(root_digest(salt), token_ids, block_size)
+    return chain_digests(root_digest(salt, lora_digest), token_ids, block_size)

@@ -26,6 +26,16 @@ class StructuredOutput(Struct, frozen=True):
 POOLING_KINDS = ("mean", "last", "cls")
 
 
+class LoraAdapter(Struct, frozen=True):
+    """A LoRA adapter (PEFT's files in `path`) a request runs under: the gateway's registry
+    resolves a request's `model` to it. digest: SHA-256 of its files as registered; it keys
+    the prefix cache (shared.block_digest) and the executor refuses files changed since."""
+
+    name: str
+    path: str
+    digest: str
+
+
 class SamplingParams(Struct, frozen=True):
     """What the user asked for; validated by the gateway, carried end to end."""
 
@@ -61,6 +71,7 @@ class SamplingParams(Struct, frozen=True):
     # an embedding request (POOLING_KINDS: "mean", "last", "cls"): prefill only, it ends with its
     # prompt's pooled last hidden state (a PooledOutput) instead of sampled tokens; max_tokens 1
     pooling: str | None = None
+    lora: LoraAdapter | None = None  # run under this adapter (None: the base model)
 
 
 class ChatOptions(Struct, frozen=True):
@@ -342,6 +353,7 @@ class ScheduledSeq(Struct):
     seq_index: int = 0  # which sample of its request (a grammar's state is kept per sequence)
     seed: int | None = None  # this sequence's sampling seed (its request's held sampling, reseeded)
     output_start: int = 0  # output_token_ids start at this output index
+    lora_slot: int = -1  # the executor's LoRA slot (ExecuteStep.lora_slots) this row runs under; -1: none
 
 
 class ExecuteStep(Struct, tag=True):
@@ -358,6 +370,9 @@ class ExecuteStep(Struct, tag=True):
     # the rows of embedding requests (SamplingParams.pooling): (index in seqs, pooling kind, whether
     # the chunk ends the prompt, so that the result carries its pooled vector); empty otherwise
     pooling: list[tuple[int, str, bool]] = []
+    # (slot, adapter) of every LoRA slot a row of this step names (at most --max-loras): the executor
+    # loads an adapter into its slot when the slot holds another (services.executor.lora_slots)
+    lora_slots: list[tuple[int, LoraAdapter]] = []
 
 
 class SchedulerHello(Struct, tag=True):
@@ -468,6 +483,10 @@ class SchedulerStats(Struct):
     decode_steps_total: int = 0
     decode_step_seconds_total: float = 0.0
     decode_forward_seconds_total: float = 0.0
+    # LoRA adapters: running and waiting requests by adapter name, and the engine's --max-loras
+    lora_running: dict[str, int] = {}
+    lora_waiting: dict[str, int] = {}
+    max_loras: int = 0
 
 
 class Heartbeat(Struct, tag=True):

@@ -31,12 +31,13 @@ from typing import Any
 def option(default: Any = None, help: str | None = None, *, choices: tuple | list | None = None,
            parse: Callable[[str], Any] | None = None, flag: str | None = None, serve_flag: str | None = None,
            default_factory: Callable[[], Any] | None = None, stage_only: bool = False, serve_only: bool = False,
-           forward: bool = True) -> Any:
+           forward: bool = True, nargs: str | None = None) -> Any:
     """A dataclass field that is also a flag (see the module doc). `parse` turns the flag's
     text into the value (default: the type of the default, else str); `serve_flag` is its
-    name on `serve` where a stage's own would be unclear there (--threads: whose?)."""
+    name on `serve` where a stage's own would be unclear there (--threads: whose?); `nargs` ("*", "+")
+    makes it a list of values, each parsed (its default a tuple)."""
     meta = {"help": help, "choices": choices, "parse": parse, "flag": flag, "serve_flag": serve_flag,
-            "stage_only": stage_only, "serve_only": serve_only, "forward": forward}
+            "stage_only": stage_only, "serve_only": serve_only, "forward": forward, "nargs": nargs}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -94,15 +95,16 @@ def add_options(parser: argparse.ArgumentParser, classes: tuple[type, ...] | lis
                 section.add_argument(name, dest=f.name, default=default, help=meta["help"],
                                      action="store_false" if default else "store_true")
                 continue
-            parse = meta["parse"] or (type(default) if default is not None else str)
+            parse = meta["parse"] or (type(default) if default is not None and not meta.get("nargs") else str)
             section.add_argument(name, dest=f.name, default=default, type=parse, choices=meta["choices"],
-                                 help=meta["help"])
+                                 help=meta["help"], **({"nargs": meta["nargs"]} if meta.get("nargs") else {}))
 
 
 def from_args(cls: type, args: argparse.Namespace) -> Any:
     """The config of class cls from parsed args; a flag missing from them keeps its default
     (a `serve` Namespace has no stage-only fields, a stage's none of `serve`'s)."""
     values = {f.name: getattr(args, f.name, default_of(f)) for f in fields(cls) if "group" not in f.metadata}
+    values |= {f.name: tuple(values[f.name]) for f in fields(cls) if f.metadata.get("nargs")}
     values |= {f.name: from_args(f.metadata["group"], args) for f in _groups(cls)}
     return cls(**values)
 
@@ -112,7 +114,10 @@ def to_argv(config: Any) -> list[str]:
     out: list[str] = []
     for f in _options(type(config), serve=False):
         value = getattr(config, f.name)
-        if not f.metadata["forward"] or value == default_of(f):
+        if not f.metadata["forward"] or value == default_of(f) or (f.metadata.get("nargs") and not value):
+            continue
+        if f.metadata.get("nargs"):
+            out += [flag_of(f), *map(str, value)]
             continue
         out += [flag_of(f)] if isinstance(value, bool) else [flag_of(f), str(value)]
     for f in _groups(type(config)):

@@ -39,6 +39,8 @@ class BatchMetadata:
     # (sequence, number of positions) of the sequences that score prompt positions: their
     # rows follow the sampled ones in sample_indices, in this order
     scored_seqs: list[tuple[int, int]] | None = None
+    # rows under LoRA adapters (services.executor.lora_slots.LoraBatch), set by the model runner
+    lora: object | None = None
 
     @property
     def num_seqs(self) -> int:

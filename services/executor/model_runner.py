@@ -27,6 +27,9 @@ least any rank's budget allows (`TPGroup.min_int`), as is the swap space's, so o
 block table addresses every rank's pool alike. Every rank runs each step's block moves
 and forward pass; only rank 0 samples (the others' `run` returns an empty result).
 CUDA graphs are off under tensor parallelism (no collectives inside a captured graph).
+
+Rows under LoRA adapters (`lora_slots`) run eagerly (no CUDA graph or compiled step); an
+adapter that cannot be loaded fails its rows alone (400).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -51,6 +55,7 @@ from services.executor.kv_cache import DEFAULT_KV_CACHE_MEMORY, KVCache, bytes_p
 from services.executor.loader import load_model
 from services.executor.logits_processors import History
 from services.executor.logprobs import token_logprobs
+from services.executor.lora_slots import ExecutorLoras
 from services.executor.models.llama import head_dim_of
 from services.executor.options import ExecutorOptions
 from services.executor.pooling import Pooler
@@ -59,6 +64,8 @@ from services.executor.sampler import Sampler, no_token_problem
 from services.executor.step_calibration import calibrate_runner
 from services.executor.tp_group import GroupBroken, TPGroup
 from shared import cpu_placement
+from shared.lora_files import BaseShapes
+from shared.lora_options import LoraOptions
 from shared.messages import ExecuteStep, FailedRow, StepResult, TokenLogprob
 from shared.options import with_values
 
@@ -77,9 +84,9 @@ def _checkpoint_dtype(model_dir: str | Path) -> str | None:
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, options: ExecutorOptions | None = None, *, tp: TPGroup | None = None,
-                 seed: int | None = None, **overrides):
+                 seed: int | None = None, lora_options: LoraOptions | None = None, **overrides):
         """options: the executor's (its defaults if None); overrides: some of its fields by name
-        (`ModelRunner(path, dtype="float32", num_kv_blocks=64)`)."""
+        (`ModelRunner(path, dtype="float32", num_kv_blocks=64)`); lora_options: its LoRA slots'."""
         self.options = o = with_values(options or ExecutorOptions(), **overrides)
         block_size, num_kv_blocks, kv_cache_memory = o.block_size, o.num_kv_blocks, o.kv_cache_memory
         max_num_seqs = o.limits.max_num_seqs
@@ -102,6 +109,9 @@ class ModelRunner:
         self.max_model_len: int = config.max_position_embeddings
         self.vocab_size: int = config.vocab_size
         self.sampler = Sampler(seed=seed, device=self.device)
+        # shapes only: the gateway checked the adapter's base model name when it registered it
+        self.loras = ExecutorLoras(lora_options or LoraOptions(), replace(BaseShapes.of_config(config), names=frozenset()),
+                                   self.dtype, self.device, self.tp.size)
         self.model_dir = model_dir
         self.grammar: GrammarMasks | None = None  # made on the first constrained request
         self._grammar_threads: ThreadPoolExecutor | None = None
@@ -150,9 +160,10 @@ class ModelRunner:
         A decode step replayed from a CUDA graph keeps its BatchMetadata on the CPU.
         Under tensor parallelism a forward pass that raises leaves the ranks out of step:
         `GroupBroken`, whatever the cause (InvalidStep, raised before, is the same on every rank)."""
-        graph = (self.graphs is not None and not step.pooling and self.graphs.fits(step)
+        graph = (self.graphs is not None and not step.pooling and not step.lora_slots and self.graphs.fits(step)
                  and not any(s.score_targets for s in step.seqs))
         meta = BatchMetadata.from_step(step, self.block_size, self.num_kv_blocks, "cpu" if graph else self.device)
+        meta.lora = self.loras.prepare(step, meta.query_lens)
         self._move_blocks(step)
         self.last_pooled = None
         start = time.perf_counter()
@@ -238,6 +249,8 @@ class ModelRunner:
             if asked:
                 result.logprobs = self._logprobs(raw, asked, tokens, params, failed)
         failures = {meta.sampled_seqs[j]: why for j, why in failed.items()}  # by index in step.seqs
+        if meta.lora is not None:
+            failures.update((i, (400, why)) for i, why in meta.lora.failed.items())
         if step.pooling:
             result.embeddings, broken = self.pooler.pool(step, self.last_pooled)
             failures.update((i, (500, why)) for i, why in broken.items())

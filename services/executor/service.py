@@ -44,6 +44,7 @@ from shared import cpu_placement
 from shared.config import Addresses
 from shared.curve import stage_keys
 from shared.heartbeat import INSTANCE_ID, HeartbeatThread
+from shared.lora_options import LoraOptions
 from shared.messages import (
     ExecuteStep,
     ExecutorReady,
@@ -176,7 +177,8 @@ class Executor:
 
     def load(self, device: str, group: TPGroup) -> ModelRunner:
         options = with_values(from_args(ExecutorOptions, self.args), device=device)
-        return ModelRunner(resolve_model(self.args.model), options, tp=group)
+        return ModelRunner(resolve_model(self.args.model), options, tp=group,
+                           lora_options=from_args(LoraOptions, self.args))
 
     def execute(self, runner: ModelRunner, step: ExecuteStep,
                 failed: list[FailedRow] = ()) -> StepResult | StepFailed:

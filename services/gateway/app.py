@@ -12,6 +12,8 @@ its request through the EngineClient. `Admission` decides first whether a reques
 enter at all (API key, draining, every stage alive, queue bound), after `HostCheck` (the
 Host names served); the parser holds each request to the gateway's `RequestLimits`. A
 non-zero `priority` is a 400 unless the engines schedule by it (`--scheduling-policy priority`).
+A completion or chat whose `model` names a LoRA adapter (`lora_registry`) runs under it (its
+answer names the adapter); /v1/models lists the adapters with the base model as `parent`.
 
 Clients are held to `client_timeout_s`: a body must be application/json (415 otherwise,
 so a web page cannot post one from a browser without a CORS preflight) and arrive in
@@ -22,6 +24,7 @@ stalls that long. Slow headers are the server's keep-alive timeout (service.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import re
@@ -39,6 +42,8 @@ from services.gateway.engine_client import EngineClient, EngineError, RequestStr
 from services.gateway.health import StageTracker
 from services.gateway.host_check import HostCheck
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
+from services.gateway.lora_registry import LoraRegistry
+from services.gateway.lora_routes import LoraRoutes
 from services.gateway.metrics import Metrics, RequestTimer
 from services.gateway.openai.chat import parse_chat
 from services.gateway.openai.completions import parse_completion
@@ -107,6 +112,7 @@ class Gateway:
         hidden_size: int = 0,
         reasoning_parser: str | None = None,
         scheduling_policy: str = "fcfs",
+        loras: LoraRegistry | None = None,
     ):
         self.limits, self.host_check = limits, host_check
         self.reasoning_parser = reasoning_parser  # reasoning.py: a chat answer's thinking as reasoning_content
@@ -126,6 +132,8 @@ class Gateway:
         self.error, self.engine_error, self.dumps = error_response, _engine_api_error, _dumps
         self.anthropic = MessagesRoutes(self, _engine_api_error)
         self.responses = ResponsesRoutes(self, error_response, _engine_api_error)
+        self.loras = loras or LoraRegistry(None, 0, served_model_name)
+        self.lora_routes = LoraRoutes(self.loras, self.model_names, self._read_body, error_response)
 
     def make_app(self) -> web.Application:
         checks = [self.admission.middleware()]
@@ -145,6 +153,7 @@ class Gateway:
             web.get("/openapi.json", self.openapi),
             *self.anthropic.routes(),
             *self.responses.routes(),
+            *self.lora_routes.routes(),
         ])
         return app
 
@@ -165,7 +174,9 @@ class Gateway:
             "owned_by": "pagedserve", "root": self.model_root, "parent": None,
             "max_model_len": await self.tokens.context_length(),
         }
-        return web.json_response({"object": "list", "data": [card]})
+        adapters = [{**card, "id": name, "root": name, "parent": self.served_model_name}
+                    for name in self.loras.adapters]
+        return web.json_response({"object": "list", "data": [card, *adapters]})
 
     async def health(self, request: web.Request) -> web.Response:
         healthy, body = self.tracker.report()
@@ -184,9 +195,13 @@ class Gateway:
                 "The request body must be JSON, sent with 'Content-Type: application/json'.", 415,
                 code="unsupported_media_type"))
         try:
-            parsed = parse(parse_json(await self._read_body(request)), self.model_names, self.limits)
+            body = parse_json(await self._read_body(request))
+            lora = self.loras.get(body.get("model"))
+            parsed = parse(body, self.model_names | set(self.loras.adapters), self.limits)
         except ApiError as exc:
             return error_response(exc)
+        if lora is not None:
+            parsed = dataclasses.replace(parsed, params=msgspec.structs.replace(parsed.params, lora=lora))
         if parsed.priority and self.scheduling_policy != "priority":
             return error_response(ApiError(
                 f"'priority' needs a server started with --scheduling-policy priority; this one schedules "
@@ -198,7 +213,7 @@ class Gateway:
             return error_response(refused)
         request_id = new_request_id(parsed.kind)
         out = ResponseBuilder(
-            parsed.kind, request_id, self.served_model_name, parsed.include_usage, parsed.return_token_ids,
+            parsed.kind, request_id, lora.name if lora else self.served_model_name, parsed.include_usage, parsed.return_token_ids,
             num_choices=parsed.params.n * parsed.num_prompts, params=parsed.params, echo_only=parsed.echo_only,
             tool_mode=parsed.tool_mode,
             # a grammar-constrained answer (response_format, a forced tool call) has no thinking to split

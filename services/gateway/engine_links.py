@@ -65,7 +65,8 @@ class EngineLinks:
         if self.router is None:
             engine = next(iter(self.sockets))
         else:
-            engine = self.router.route(msg.request_id, msg.prompt_token_ids, msg.params.cache_salt)
+            engine = self.router.route(msg.request_id, msg.prompt_token_ids, msg.params.cache_salt,
+                                       msg.params.lora and msg.params.lora.digest)
         self._owner[msg.request_id] = engine
         self.on_routed(engine)
         if self.router is not None and self.router.held(msg.request_id):

@@ -89,9 +89,10 @@ class EngineLoads(msgspec.Struct):
     engines: list[EngineLoad]
 
 
-def prefix_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
+def prefix_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None,
+                  lora_digest: str | None = None) -> list[bytes]:
     """Chained digests of the full blocks of token_ids, as the block manager computes them."""
-    return block_digests(token_ids, block_size, cache_salt)
+    return block_digests(token_ids, block_size, cache_salt, lora_digest)
 
 
 class EngineRouter:
@@ -169,11 +170,12 @@ class EngineRouter:
         requests = self._in_flight[engine] + self._others.get(engine, 0.0)
         return requests + KV_WEIGHT * self._kv_usage.get(engine, 0.0)
 
-    def route(self, request_id: str, token_ids: list[int], cache_salt: str | None = None) -> str:
+    def route(self, request_id: str, token_ids: list[int], cache_salt: str | None = None,
+              lora_digest: str | None = None) -> str:
         """The engine for a new request; it owns the request until `release`. When `held`
         says so afterwards, the request is not to be sent before `ready` lets it go."""
         candidates = self.live or self.engines  # none live: still queue somewhere
-        hashes = prefix_hashes(token_ids, self.block_size, cache_salt) if self.policy == "prefix" else []
+        hashes = prefix_hashes(token_ids, self.block_size, cache_salt, lora_digest) if self.policy == "prefix" else []
         if self.policy == "round-robin":
             engine = candidates[self._next % len(candidates)]
             self._next += 1

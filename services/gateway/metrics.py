@@ -10,8 +10,11 @@ read a vLLM server's /metrics with their default flags read ours (the Gateway AP
 Extension's endpoint picker, llm-d, vLLM's production-stack router): `vllm:num_requests_running`,
 `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (the fraction of KV blocks in use,
 0 to 1, as vLLM reports it despite the name), one series per engine labelled
-{model_name=<served model name>, engine="<rank>"} as vLLM v1 labels them. vLLM's LoRA gauge
-(`vllm:lora_requests_info`) is left out: there are no adapters to report.
+{model_name=<served model name>, engine="<rank>"} as vLLM v1 labels them. LoRA adapters:
+`pagedserve_lora_requests_running{lora_name}` and `..._waiting` (summed over the engines), and
+vLLM's `vllm:lora_requests_info` (one series, its value the time it was set, labelled
+`running_lora_adapters` and `waiting_lora_adapters`, comma-separated names, and `max_lora`),
+which the inference extension reads to prefer a server that holds an adapter.
 """
 
 from __future__ import annotations
@@ -159,6 +162,13 @@ class Metrics:
         self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                                    VLLM_LABELS, registry=r)
 
+        self.lora_running = Gauge("pagedserve_lora_requests_running", "Requests running under a LoRA adapter",
+                                  ["lora_name"], registry=r)
+        self.lora_waiting = Gauge("pagedserve_lora_requests_waiting", "Requests waiting under a LoRA adapter",
+                                  ["lora_name"], registry=r)
+        self.vllm_lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                    ["running_lora_adapters", "max_lora", "waiting_lora_adapters"], registry=r)
+
     def observe_routed(self, engine: str) -> None:
         self.engine_routed.labels(engine).inc()
         self.routed[engine] = self.routed.get(engine, 0) + 1
@@ -192,6 +202,7 @@ class Metrics:
         self._mirror(replica, self.prefix_hits, stats.prefix_cache_hits_total)
         self._mirror(replica, self.swapped_out, stats.num_swapped_out_total)
         self._mirror(replica, self.swapped_in, stats.num_swapped_in_total)
+        self._observe_loras()
         self.blocks_cached.set(stats.kv_blocks_cached)
         self.blocks_saved.set(stats.kv_blocks_saved_by_sharing)
         free = stats.kv_blocks_total * stats.block_size - (
@@ -201,6 +212,23 @@ class Metrics:
                                 ("internal_fragmentation", stats.kv_slots_internal_frag),
                                 ("external_fragmentation", stats.kv_slots_external_frag), ("free", free)):
             self.kv_slots.labels(category).set(slots)
+
+    def _observe_loras(self) -> None:
+        every = list(self._latest.values())
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for stats in every:
+            for name, n in stats.lora_running.items():
+                running[name] = running.get(name, 0) + n
+            for name, n in stats.lora_waiting.items():
+                waiting[name] = waiting.get(name, 0) + n
+        for gauge, counts in ((self.lora_running, running), (self.lora_waiting, waiting)):
+            gauge.clear()
+            for name, n in counts.items():
+                gauge.labels(name).set(n)
+        self.vllm_lora_info.clear()
+        self.vllm_lora_info.labels(",".join(sorted(running)), str(max((s.max_loras for s in every), default=0)),
+                                   ",".join(sorted(waiting))).set(time.time())
 
     def _mirror(self, replica: str, counter: Counter, total: float, name: str | None = None) -> None:
         """Advance a counter to a running total the scheduler reports; a smaller total

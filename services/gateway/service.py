@@ -33,6 +33,7 @@ from services.gateway.engine_loads import EnginePublisher, engines_report
 from services.gateway.health import StageTracker
 from services.gateway.host_check import HostCheck
 from services.gateway.limits import RequestLimits
+from services.gateway.lora_registry import LoraRegistry
 from services.gateway.metrics import Metrics
 from services.gateway.openai.embeddings import model_hidden_size, resolve_pooling
 from services.gateway.supervision import SupervisionState
@@ -41,6 +42,8 @@ from shared import cpu_placement
 from shared.config import Addresses
 from shared.curve import CurveKeys, stage_keys
 from shared.heartbeat import HeartbeatThread
+from shared.lora_files import BaseShapes
+from shared.lora_options import parse_lora_modules
 from shared.messages import PoolSnapshot, StatusToGateway
 from shared.model_files import default_served_name, load_tokenizer, resolve_model, vocab_size
 from shared.options import from_args
@@ -62,6 +65,21 @@ def run(args: argparse.Namespace) -> int:
                          f"{MESSAGE_EXPANSION}x it")
     uvloop.run(serve(args, addrs, stage_keys(args, addrs)))
     return 0
+
+
+def lora_registry(args: argparse.Namespace, model_dir, served: str) -> LoraRegistry:
+    """The LoRA adapters registry, checked against the model's config, with --lora-modules in it."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir).get_text_config()
+        base = BaseShapes.of_config(config, {served, str(args.model), str(model_dir)})
+    except Exception:  # LoRA adapters are then refused (400) rather than the gateway down
+        log.exception("reading %s's config for LoRA adapters", model_dir)
+        base = None
+    registry = LoraRegistry(base, args.max_lora_rank, served)
+    registry.load_modules(parse_lora_modules(args.lora_modules), {served, str(args.model)})
+    return registry
 
 
 async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | None = None) -> None:
@@ -99,7 +117,8 @@ async def serve(args: argparse.Namespace, addrs: Addresses, keys: CurveKeys | No
                       admission, args.max_request_bytes, args.client_timeout, from_args(RequestLimits, args),
                       HostCheck(args.allowed_hosts, args.host), resolve_pooling(args.pooling, model_dir),
                       model_hidden_size(model_dir), reasoning_parser=args.reasoning_parser,
-                      scheduling_policy=args.scheduling_policy)
+                      scheduling_policy=args.scheduling_policy,
+                      loras=lora_registry(args, model_dir, served))
     hub = DashboardHub(metrics, client.watch_pool)
     tasks = [loop.create_task(client.run_reader()), loop.create_task(client.run_upkeep()),
              loop.create_task(_read_status(status, tracker, watchdog, hub, publisher)),

@@ -98,7 +98,7 @@ class BlockManager:
         """Chained digests of seq's full blocks within its first num_tokens tokens."""
         bs, hashes, full = self.block_size, seq.block_hashes, num_tokens // self.block_size
         if len(hashes) < full:
-            parent = hashes[-1] if hashes else root_digest(getattr(seq, "cache_salt", None))
+            parent = hashes[-1] if hashes else root_digest(getattr(seq, "cache_salt", None), getattr(seq, "lora_digest", None))
             hashes += chain_digests(parent, seq.token_ids(len(hashes) * bs, full * bs), bs)
         return hashes[:full]
 

@@ -43,6 +43,10 @@ socket takes): sequences are added while their estimated bytes fit (`executor_st
 and the rest wait for the next step; a request whose sequence alone could not fit is
 refused at admission. Sampling parameters and token histories are sent once per
 request and sequence (`ExecutorStates` mirrors what the executor holds).
+LoRA adapters (`lora_slots`): a step runs at most `max_loras` distinct adapters. A running
+sequence pins its adapter's slot; a waiting request whose adapter finds no slot is skipped
+for this step (those behind it are admitted as usual), and each step names the slot of each
+row and the adapter of each slot it uses.
 A request whose own handling raises (scheduling it, applying its result, scoring its
 beams) fails alone: its sequences end with "error", their blocks are freed, and
 `take_failed` hands it to the caller to report; every other request goes on. So does
@@ -66,6 +70,7 @@ from services.scheduler import beam_search
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.executor_states import ExecutorStates
 from services.scheduler.host_block_pool import HostBlockPool
+from services.scheduler.lora_slots import LoraSlotTable
 from services.scheduler.priority_queue import PriorityWaiting, rank
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 from services.scheduler.validation import request_problem, resume_problem, token_limit
@@ -95,6 +100,7 @@ class SchedulerConfig:
     # so leave room for them below the socket's limit
     max_step_bytes: int = MAX_MESSAGE_BYTES // 4
     scheduling_policy: str = "fcfs"  # or "priority" (see the module doc)
+    max_loras: int = 4  # distinct LoRA adapters a step may run (the executor's slots)
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,9 @@ class Scheduler:
         self._step_new: set[str] = set()  # requests whose state the step being built carries
         self._step_preempted_for_priority = False  # then the step being built swaps nothing in
         self._priority_blocked = False  # schedule_ahead left a preemption for priority to `schedule`
+        self.loras = LoraSlotTable(config.max_loras)
+        self._lora_pinned: set[str] = set()  # digests of the adapters the step being built may not evict
+        self._lora_skipped: set[int] = set()  # ids of waiting sequences whose adapter found no slot this step
 
     # --- requests in and out -------------------------------------------------------
 
@@ -499,6 +508,8 @@ class Scheduler:
         self._step_bytes = 0
         self._step_new.clear()
         self._step_preempted_for_priority = False
+        self._lora_pinned = {r.params.lora.digest for r in self.running if r.params.lora is not None}
+        self._lora_skipped.clear()
 
     def _fits_bytes(self, req: Sequence, num_tokens: int) -> bool:
         """Whether a chunk of num_tokens of req keeps the step being built under max_step_bytes
@@ -532,6 +543,9 @@ class Scheduler:
             req = self._next_waiting()
             if req is None:
                 break
+            if req.params.lora is not None and not self._lora_slot(req):
+                self._lora_skipped.add(id(req))
+                continue
             if len(self.running) >= self.config.max_num_seqs:
                 admitted = None
             else:
@@ -602,18 +616,30 @@ class Scheduler:
         if not kept and not swap_out:
             return None
         chunks = [c for _, c in kept]
+        rows, lora_slots = self.loras.step_slots([c.sequence.params.lora for c in chunks])
+        for (seq, _), slot in zip(kept, rows, strict=True):
+            seq.lora_slot = slot
         step = ExecuteStep(step_id=self._next_step_id, seqs=[seq for seq, _ in kept], block_copies=copies,
                            swap_out=swap_out, swap_in=swap_in,
                            pooling=[(i, c.sequence.params.pooling, c.samples) for i, c in enumerate(chunks)
-                                    if c.sequence.params.pooling is not None])
+                                    if c.sequence.params.pooling is not None],
+                           lora_slots=lora_slots)
         self.executor_states.stamp(step)
         self._next_step_id += 1
         return step, chunks
 
     def _next_waiting(self) -> Sequence | None:
-        if not self.held:
+        if not self.held and not self._lora_skipped:
             return self.waiting[0]
-        return next((r for r in self.waiting if r.reply_to not in self.held), None)
+        return next((r for r in self.waiting if r.reply_to not in self.held and id(r) not in self._lora_skipped),
+                    None)
+
+    def _lora_slot(self, req: Sequence) -> bool:
+        """Whether req's adapter has (or now takes) a slot; it is then pinned for this step."""
+        if self.loras.assign(req.params.lora, self._lora_pinned) is None:
+            return False
+        self._lora_pinned.add(req.params.lora.digest)
+        return True
 
     def _admit(self, req: Sequence, budget: int, chunks: list[ScheduledChunk],
                swap_in: list[tuple[int, int]]) -> bool | None:
@@ -870,6 +896,9 @@ class Scheduler:
             decode_steps_total=self.decode_steps_total,
             decode_step_seconds_total=self.decode_step_seconds_total,
             decode_forward_seconds_total=self.decode_forward_seconds_total,
+            lora_running=_count_by_adapter(self.running),
+            lora_waiting=_count_by_adapter(self.waiting),
+            max_loras=len(self.loras.slots),
         )
 
     def record_step_time(self, chunks: list[ScheduledChunk], wall_s: float, forward_s: float) -> None:
@@ -890,5 +919,15 @@ class Scheduler:
         if self.by_priority:
             self.waiting.check_invariants()
             assert all(rank(a) <= rank(b) for a, b in pairwise(self.running)), "running out of order"
+        self.loras.check_invariants([r.params.lora for r in self.running])
         assert set(self.running) | set(self.waiting) == set(live)
         assert len(self.running) + len(self.waiting) == len(live)
+
+
+def _count_by_adapter(seqs) -> dict[str, int]:
+    """Requests (first sequences) under each LoRA adapter, by adapter name."""
+    counts: dict[str, int] = {}
+    for r in seqs:
+        if r.params.lora is not None and r.seq_index == 0:
+            counts[r.params.lora.name] = counts.get(r.params.lora.name, 0) + 1
+    return counts

@@ -125,6 +125,11 @@ class Sequence:
         return self.params.cache_salt
 
     @property
+    def lora_digest(self) -> str | None:
+        """The LoRA adapter's digest: the same tokens under another adapter are other KV."""
+        return None if self.params.lora is None else self.params.lora.digest
+
+    @property
     def asks_prompt_logprobs(self) -> bool:
         """prompt_logprobs, unless resumed: a resumed request's gateway has them (its first delta)."""
         return self.params.prompt_logprobs is not None and not self.num_resumed_tokens

@@ -185,7 +185,8 @@ class SchedulerService:
         limits = fit_to_executor(from_args(BatchLimits, self.args), msg)
         config = SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens, max_len,
                                  self.args.preemption_mode, msg.vocab_size,
-                                 scheduling_policy=self.args.scheduling_policy)
+                                 scheduling_policy=self.args.scheduling_policy,
+                                 max_loras=getattr(self.args, "max_loras", 4))
         if config.preemption_mode == "swap" and not msg.num_swap_blocks:
             log.warning("--preemption-mode swap without executor swap space: preempted requests recompute")
         blocks = make_allocator(self.args.kv_policy, msg.num_kv_blocks, msg.block_size, max_len,

@@ -33,6 +33,8 @@ def other_value(f) -> list[str]:
         return [flag_of(f), next(c for c in meta["choices"] if c != default)]
     if meta["parse"] is parse_size:
         return [flag_of(f), "3MiB"]
+    if meta.get("nargs"):  # a list of NAME=VALUE (--lora-modules)
+        return [flag_of(f), f"x={f.name}", "y=2"]
     if isinstance(default, float):
         return [flag_of(f), str(default + 1.5)]
     if isinstance(default, int) or meta["parse"] in (int, positive):

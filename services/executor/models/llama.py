@@ -6,7 +6,8 @@ gate/up projections are fused into one matmul each (fewer, larger matmuls are wh
 CPU wants); the elementwise work between matmuls runs as the backend's fused ops
 (residual add + RMSNorm, RoPE + KV cache write, SiLU-and-mul: one pass each in the
 C++ CPU backend, plain torch in the reference); logits are computed only for the rows
-that get sampled. Every per-step input comes from a `BatchMetadata`; attention and
+that get sampled. Rows under LoRA adapters (`meta.lora`, `services.executor.lora_slots`) get
+their adapter's low-rank delta added to each projection's output (`kernels.lora.add_lora`). Every per-step input comes from a `BatchMetadata`; attention and
 the fused ops go through an `AttentionBackend`.
 
 The modules hold the weights (loading, quantization and sharding address them by
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.attention import AttentionBackend
+from kernels.lora import add_lora
 from services.executor.batch import BatchMetadata
 from services.executor.models.sharding import ModelShard
 from services.executor.quantization import Int4Weight, Int8Weight, Q4Weight, Q8Weight
@@ -217,9 +219,12 @@ class LayerCalls(NamedTuple):
 
 
 def decoder_layer(ops: AttentionBackend, tp: TPGroup, layer: LayerCalls, x: Tensor, residual: Tensor | None,
-                  cos_sin: Tensor, meta: BatchMetadata, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+                  cos_sin: Tensor, meta: BatchMetadata, k_cache: Tensor, v_cache: Tensor,
+                  lora: list | None = None) -> tuple[Tensor, Tensor]:
     """One decoder layer: (mlp output, residual stream before it); the next layer adds the two
-    in its first fused norm."""
+    in its first fused norm. lora: this layer's (rows, LayerLora) per adapter of the step."""
+    if lora is not None:
+        return _lora_decoder_layer(ops, tp, layer, x, residual, cos_sin, meta, k_cache, v_cache, lora)
     if residual is None:
         x, residual = ops.rms_norm(x, layer.input_norm, layer.input_eps), x
     else:
@@ -231,6 +236,32 @@ def decoder_layer(ops: AttentionBackend, tp: TPGroup, layer: LayerCalls, x: Tens
     x = tp.all_reduce(layer.o_proj(out.view(x.shape[0], -1)))
     x, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, layer.post_eps)
     return tp.all_reduce(layer.down_proj(ops.silu_and_mul(layer.gate_up_proj(x)))), residual
+
+
+def _lora_decoder_layer(ops: AttentionBackend, tp: TPGroup, layer: LayerCalls, x: Tensor, residual: Tensor | None,
+                        cos_sin: Tensor, meta: BatchMetadata, k_cache: Tensor, v_cache: Tensor,
+                        lora: list) -> tuple[Tensor, Tensor]:
+    """`decoder_layer` with each projection's LoRA deltas added to its rows (no tensor parallelism)."""
+    if residual is None:
+        x, residual = ops.rms_norm(x, layer.input_norm, layer.input_eps), x
+    else:
+        x, residual = ops.fused_add_rms_norm(x, residual, layer.input_norm, layer.input_eps)
+    qkv = layer.qkv_proj(x)
+    add_lora(x, qkv, [(rows, adapter.qkv) for rows, adapter in lora])
+    q = ops.rope_and_cache(qkv, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
+                           layer.num_heads, layer.num_kv_heads)
+    out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+                              layer.scale, layer.sliding_window)
+    attn = out.view(x.shape[0], -1)
+    x = layer.o_proj(attn)
+    add_lora(attn, x, [(rows, adapter.o) for rows, adapter in lora])
+    x, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, layer.post_eps)
+    gate_up = layer.gate_up_proj(x)
+    add_lora(x, gate_up, [(rows, adapter.gate_up) for rows, adapter in lora])
+    act = ops.silu_and_mul(gate_up)
+    down = layer.down_proj(act)
+    add_lora(act, down, [(rows, adapter.down) for rows, adapter in lora])
+    return down, residual
 
 
 class LlamaModel(nn.Module):
@@ -297,6 +328,12 @@ class LlamaForCausalLM(nn.Module):
         if self._layer_calls is None:
             self._layer_calls = [layer.calls() for layer in self.model.layers]
         ops, tp, residual = self.backend, self.tp, None
+        lora = getattr(meta, "lora", None)
+        if lora is not None and lora.groups:
+            for i, (layer, k_cache, v_cache) in enumerate(zip(self._layer_calls, k_caches, v_caches, strict=True)):
+                x, residual = decoder_layer(ops, tp, layer, x, residual, cos_sin, meta, k_cache, v_cache,
+                                            lora.layer(i))
+            return x, residual
         for layer, k_cache, v_cache in zip(self._layer_calls, k_caches, v_caches, strict=True):
             x, residual = decoder_layer(ops, tp, layer, x, residual, cos_sin, meta, k_cache, v_cache)
         return x, residual

@@ -1,0 +1,96 @@
+"""The executor's LoRA adapters: `max_loras` slots, each holding one adapter's weights on the
+device, filled from a host LRU of `max_cpu_loras` loaded adapters.
+
+The scheduler assigns the slots (`services.scheduler.lora_slots`) and every step names the
+adapter of each slot its rows use (`ExecuteStep.lora_slots`); `prepare` makes the slots hold
+them (from the LRU, else from disk) and groups the step's token rows by slot
+(`kernels.lora.row_groups`) into a `LoraBatch` the model adds the deltas of. An adapter that
+fails to load fails its rows alone (`LoraBatch.failed`, 400 naming it); those rows run as
+the base model meanwhile and their output is dropped. On the CPU a slot shares the host
+copy's tensors (no copy).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.lora import Rows, row_groups
+from services.executor.lora_weights import LayerLora, LoraLoadError, LoraWeights, load_lora
+from shared.lora_files import BaseShapes
+from shared.lora_options import LoraOptions
+from shared.messages import ExecuteStep
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoraBatch:
+    """One step's rows under adapters: (rows, that adapter's weights) per slot used, and the
+    rows (indices in step.seqs) whose adapter could not be loaded, with why."""
+
+    groups: list[tuple[Rows, LoraWeights]]
+    failed: dict[int, str] = field(default_factory=dict)
+
+    def layer(self, index: int) -> list[tuple[Rows, LayerLora]] | None:
+        return [(rows, weights.layers[index]) for rows, weights in self.groups] or None
+
+
+class ExecutorLoras:
+    def __init__(self, options: LoraOptions, base: BaseShapes, dtype: torch.dtype, device: torch.device,
+                 tp_size: int = 1):
+        self.options, self.base, self.dtype, self.device, self.tp_size = options, base, dtype, device, tp_size
+        self.slots: list[LoraWeights | None] = [None] * options.max_loras
+        self.host: OrderedDict[str, LoraWeights] = OrderedDict()  # digest -> weights (on the host)
+        self.max_cpu_loras = options.max_cpu_loras or 4 * options.max_loras
+
+    def prepare(self, step: ExecuteStep, query_lens: list[int]) -> LoraBatch | None:
+        if not step.lora_slots:
+            return None
+        failed_slots: dict[int, str] = {}
+        for slot, adapter in step.lora_slots:
+            try:
+                self._fill(slot, adapter)
+            except LoraLoadError as exc:
+                log.warning("%s", exc)
+                failed_slots[slot] = str(exc)
+        token_slots: list[int] = []
+        failed: dict[int, str] = {}
+        for i, (seq, n) in enumerate(zip(step.seqs, query_lens, strict=True)):
+            slot = seq.lora_slot
+            if slot in failed_slots:
+                failed[i], slot = failed_slots[slot], -1
+            token_slots += [slot] * n
+        groups = [(rows, self.slots[slot]) for slot, rows in row_groups(token_slots, self.device)]
+        return LoraBatch(groups, failed)
+
+    def _fill(self, slot: int, adapter) -> None:
+        if not 0 <= slot < len(self.slots):
+            raise LoraLoadError(f"LoRA slot {slot} is outside this executor's {len(self.slots)} (--max-loras)")
+        held = self.slots[slot]
+        if held is not None and held.adapter.digest == adapter.digest:
+            return
+        if self.tp_size > 1:
+            raise LoraLoadError("LoRA adapters are not supported under tensor parallelism")
+        weights = self.host.get(adapter.digest)
+        if weights is None:
+            weights = load_lora(adapter, self.base, self.options.max_lora_rank, self.dtype, "cpu")
+            log.info("LoRA adapter %s loaded from disk (rank %d, %.1f MiB)", adapter.name, weights.rank,
+                     weights.nbytes / 2**20)
+            self.host[adapter.digest] = weights
+            while len(self.host) > self.max_cpu_loras:
+                self.host.popitem(last=False)
+        self.host.move_to_end(adapter.digest)
+        self.slots[slot] = weights if self.device.type == "cpu" else _to_device(weights, self.device)
+
+
+def _to_device(weights: LoraWeights, device: torch.device) -> LoraWeights:
+    from kernels.lora import LoraTarget
+
+    def move(t):
+        return None if t is None else LoraTarget(t.a.to(device, non_blocking=True), t.b.to(device, non_blocking=True))
+
+    return weights._replace(layers=[LayerLora(*(move(t) for t in layer)) for layer in weights.layers])

@@ -1,0 +1,138 @@
+"""LoRA in the executor: rows under PEFT adapters equal PEFT's merged model in transformers
+(greedy tokens, and logprobs within 1e-4), one step mixing 4 adapters and the base equals each
+sequence run alone, a slot's adapter is swapped when a step names another, and an adapter
+whose files went bad fails its rows alone."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from services.executor.model_runner import ModelRunner
+from shared.lora_files import read_adapter
+from shared.lora_options import LoraOptions
+from shared.messages import ExecuteStep, LoraAdapter, ScheduledSeq, SeqSampling
+from tests.executor.test_model_runner import BLOCK, make_model, prompts
+from tests.lora_helpers import make_peft_adapter, merged_model
+
+GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=0)
+LOGPROB_TOLERANCE = 1e-4  # float32: the delta as two low-rank matmuls against PEFT's merged weight
+N_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lora-base")
+    make_model(path, "untied")
+    return path
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory):
+    """Four adapters of different ranks and targets."""
+    specs = [dict(rank=8, seed=1), dict(rank=4, seed=2, targets=("q_proj", "v_proj")),
+             dict(rank=16, seed=3, targets=("o_proj", "down_proj", "gate_proj")), dict(rank=2, seed=4, use_rslora=True)]
+    out = {}
+    for i, spec in enumerate(specs):
+        path = make_peft_adapter(base, tmp_path_factory.mktemp(f"adapter{i}"), scale=3.0, **spec)
+        out[f"a{i}"] = LoraAdapter(f"a{i}", str(path), read_adapter(path).digest)
+    return out
+
+
+def runner(base, **kw):
+    return ModelRunner(base, dtype="float32", quantization="none", block_size=BLOCK, num_kv_blocks=128,
+                       lora_options=LoraOptions(max_loras=4, max_lora_rank=16, **kw))
+
+
+def generate(runner: ModelRunner, jobs: list[tuple[list[int], LoraAdapter | None]], slots: dict[str, int]):
+    """Greedy tokens and their logprobs of each (prompt, adapter), all in the same steps."""
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(jobs))]
+    tokens = [list(p) for p, _ in jobs]
+    out: list[list[int]] = [[] for _ in jobs]
+    logprobs: list[list[float]] = [[] for _ in jobs]
+    computed = [0] * len(jobs)
+    for step_id in range(N_TOKENS):
+        seqs, lora_slots = [], set()
+        for i, (_, adapter) in enumerate(jobs):
+            start, end = computed[i], len(tokens[i])
+            slot = -1 if adapter is None else slots[adapter.name]
+            if adapter is not None:
+                lora_slots.add((slot, adapter))
+            seqs.append(ScheduledSeq(
+                request_id=f"r{i}", token_ids=tokens[i][start:end], start_pos=start, block_table=tables[i],
+                slot_mapping=[tables[i][p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)], sample=True,
+                output_index=len(out[i]), sampling=GREEDY, lora_slot=slot))
+        result = runner.run(ExecuteStep(step_id, seqs, lora_slots=sorted(lora_slots, key=lambda p: p[0])))
+        assert not result.failed, result.failed
+        for i, token in enumerate(result.sampled):
+            computed[i] = len(tokens[i])
+            tokens[i].append(token)
+            out[i].append(token)
+            logprobs[i].append(result.logprobs[i].logprob)
+    return out, logprobs
+
+
+def reference(base, adapter: LoraAdapter | None, prompt: list[int]):
+    hf = merged_model(base, None if adapter is None else adapter.path)
+    with torch.no_grad():
+        gen = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=N_TOKENS, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    tokens = gen.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(gen.scores, tokens, strict=True)]
+    return tokens, logprobs
+
+
+def test_each_adapter_matches_peft_merged_model(base, adapters):
+    r = runner(base)
+    jobs = [(p, adapters[f"a{i}"]) for i, p in enumerate(prompts(5, [7, 19, 12, 30]))]
+    jobs.append((prompts(6, [9])[0], None))
+    out, logprobs = generate(r, jobs, {f"a{i}": i for i in range(4)})
+    for (prompt, adapter), got, got_lp in zip(jobs, out, logprobs, strict=True):
+        want, want_lp = reference(base, adapter, prompt)
+        assert got == want, adapter
+        assert max(abs(a - b) for a, b in zip(got_lp, want_lp, strict=True)) < LOGPROB_TOLERANCE
+
+
+def test_adapters_change_the_output(base, adapters):
+    prompt = prompts(7, [10])[0]
+    outs = {name: reference(base, a, prompt)[0] for name, a in [("base", None), *adapters.items()]}
+    assert len({tuple(v) for v in outs.values()}) > 2
+
+
+def test_mixed_batch_equals_each_alone(base, adapters):
+    r = runner(base)
+    slots = {f"a{i}": 3 - i for i in range(4)}  # slots in another order than the rows
+    names = ["a0", None, "a1", "a2", "a0", "a3", None, "a1"]
+    jobs = [(p, adapters[n] if n else None) for p, n in zip(prompts(8, [5, 9, 14, 3, 22, 8, 11, 6]), names,
+                                                            strict=True)]
+    together, together_lp = generate(r, jobs, slots)
+    for job, got, got_lp in zip(jobs, together, together_lp, strict=True):
+        alone, alone_lp = generate(runner(base), [job], slots)
+        assert got == alone[0]
+        assert max(abs(a - b) for a, b in zip(got_lp, alone_lp[0], strict=True)) < LOGPROB_TOLERANCE
+
+
+def test_slot_takes_another_adapter(base, adapters):
+    r = runner(base, max_cpu_loras=1)
+    prompt = prompts(9, [8])[0]
+    first, _ = generate(r, [(prompt, adapters["a0"])], {"a0": 0})
+    second, _ = generate(r, [(prompt, adapters["a3"])], {"a3": 0})  # slot 0 now holds a3
+    third, _ = generate(r, [(prompt, adapters["a0"])], {"a0": 0})  # back from disk (the LRU holds one)
+    assert first[0] == third[0] == reference(base, adapters["a0"], prompt)[0]
+    assert second[0] == reference(base, adapters["a3"], prompt)[0]
+
+
+def test_changed_files_fail_their_rows_alone(base, adapters, tmp_path):
+    copy = shutil.copytree(adapters["a0"].path, tmp_path / "copy")
+    adapter = LoraAdapter("bad", str(copy), adapters["a0"].digest)
+    (copy / "adapter_model.safetensors").write_bytes(b"garbage")
+    r = runner(base)
+    seqs = [ScheduledSeq(request_id=f"r{i}", token_ids=[5, 6, 7], start_pos=0, block_table=[i],
+                         slot_mapping=[i * BLOCK + k for k in range(3)], sample=True, output_index=0, sampling=GREEDY,
+                         lora_slot=slot) for i, slot in enumerate([0, -1, 1])]
+    result = r.run(ExecuteStep(1, seqs, lora_slots=[(0, adapter), (1, adapters["a1"])]))
+    assert [f.index for f in result.failed] == [0] and result.failed[0].status == 400
+    assert "bad" in result.failed[0].message and "changed" in result.failed[0].message
+    assert result.sampled[1] >= 0 and result.sampled[2] >= 0
