@@ -11,6 +11,7 @@ from dataclasses import fields
 import pytest
 
 from services import launcher
+from services.dynamo_worker.options import DynamoOptions
 from services.executor.options import ExecutorOptions
 from services.stage_options import SERVE_GROUPS, STAGE_GROUPS, add_stage_args, stage_argv, stage_configs
 from shared.config import Addresses, BatchLimits
@@ -60,12 +61,13 @@ def test_every_serve_flag_reaches_every_stage_that_takes_it_and_the_argv_round_t
     for f in serve_options():
         if f.metadata["serve_flag"]:
             argv += [f.metadata["serve_flag"], "3"]
-        elif f.name not in ("tokenizer_replicas", "data_parallel_size", "tensor_parallel_size"):
+        elif f.name not in ("tokenizer_replicas", "data_parallel_size", "tensor_parallel_size", "dynamo"):
             argv += other_value(f)
     argv += ["--tokenizer-replicas", "2", "--data-parallel-size", "2", "--tensor-parallel-size", "2"]
     args = serve_args(argv)
     for f in serve_options():  # the argv above sets every flag of serve to a value of its own
-        assert getattr(args, f.name) != default_of(f), f.name
+        if f.name != "dynamo":  # it swaps the gateway and tokenizers for a dynamo-worker (tests/dynamo_worker)
+            assert getattr(args, f.name) != default_of(f), f.name
     cmds = launcher.stage_commands(args, Addresses.ipc("/tmp/run"), tp_ports=[29500, 29501])
     assert len(cmds) == 2 + 2 * 2 + 1 + 2  # 2 schedulers, 2 x 2 executor ranks, the gateway, 2 tokenizers
     reached = set()
@@ -81,8 +83,10 @@ def test_every_serve_flag_reaches_every_stage_that_takes_it_and_the_argv_round_t
                 if f.name not in SET_PER_PROCESS:
                     assert getattr(parsed, f.name) == getattr(args, f.name), (name, f.name)
                 reached.add(f.name)
-    # every option of serve's stages reached one (the API key travels in the gateway's environment)
-    assert reached | {"api_key"} == {f.name for f in serve_options()} - {f.name for f in fields(launcher.ServeOptions)}
+    # every option of serve's stages reached one (the API key travels in the gateway's environment;
+    # the dynamo-worker's only under --dynamo: tests/dynamo_worker/test_dynamo_launch.py)
+    assert reached | {"api_key"} == ({f.name for f in serve_options()} - {f.name for f in fields(launcher.ServeOptions)}
+                                     - {f.name for f in fields(DynamoOptions)})
     executors = {name: stage_args(cmd)[1] for name, cmd in cmds.items() if name.startswith("executor")}
     assert {(a.engine, a.tp_rank, a.tp_init_address, a.device) for a in executors.values()} == {
         (f"engine-{i}", r, f"tcp://127.0.0.1:{29500 + i}", "x-device") for i in range(2) for r in range(2)}
