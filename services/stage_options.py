@@ -16,7 +16,7 @@ import argparse
 
 from services.executor.options import ExecutorOptions, ParallelOptions
 from services.gateway.options import GatewayOptions
-from services.scheduler.options import KVEventsOptions, SchedulerOptions, SchedulingOptions
+from services.scheduler.options import KVEventsOptions, SchedulerOptions, SchedulingOptions, SpeculativeOptions
 from services.tokenizer.options import TokenizerOptions
 from shared.config import BatchLimits, ContextOptions, EngineName, LogOptions, ModelOptions, add_address_args
 from shared.options import add_options, from_args, option_classes, to_argv
@@ -25,6 +25,7 @@ STAGE_GROUPS: dict[str, tuple[type, ...]] = {
     "gateway": (ModelOptions, GatewayOptions, SchedulingOptions, LogOptions),
     "tokenizer": (ModelOptions, ContextOptions, TokenizerOptions, LogOptions),
     "scheduler": (EngineName, BatchLimits, ContextOptions, SchedulerOptions, SchedulingOptions, KVEventsOptions,
+                  SpeculativeOptions,
                   LogOptions),
     "executor": (ModelOptions, EngineName, ExecutorOptions, ParallelOptions, LogOptions),
 }

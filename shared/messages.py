@@ -61,6 +61,9 @@ class SamplingParams(Struct, frozen=True):
     # an embedding request (POOLING_KINDS: "mean", "last", "cls"): prefill only, it ends with its
     # prompt's pooled last hidden state (a PooledOutput) instead of sampled tokens; max_tokens 1
     pooling: str | None = None
+    # False: never speculated (--speculative), whatever the engine's setting; the output is the same
+    # either way (speculation is lossless), so this only trades the engine's speed for this request's
+    speculative: bool = True
 
 
 class ChatOptions(Struct, frozen=True):
@@ -342,6 +345,10 @@ class ScheduledSeq(Struct):
     seq_index: int = 0  # which sample of its request (a grammar's state is kept per sequence)
     seed: int | None = None  # this sequence's sampling seed (its request's held sampling, reseeded)
     output_start: int = 0  # output_token_ids start at this output index
+    # speculative decoding: proposed tokens that follow token_ids[0], also in token_ids (whose last
+    # len(draft_token_ids) entries they are); the executor samples every one of those positions and
+    # accepts the longest prefix it agrees with (StepResult.num_accepted)
+    draft_token_ids: list[int] = []
 
 
 class ExecuteStep(Struct, tag=True):
@@ -400,7 +407,8 @@ class FailedRow(Struct, array_like=True):
 
 
 class StepResult(Struct, tag=True):
-    """sampled[i] is the token of seqs[i] of the step, or -1 where it was not sampled or failed."""
+    """sampled[i] is the token of seqs[i] of the step, or -1 where it was not sampled or failed.
+    A sequence with draft tokens produced its first num_accepted drafts, then sampled[i]."""
 
     step_id: int
     sampled: list[int]
@@ -468,6 +476,11 @@ class SchedulerStats(Struct):
     decode_steps_total: int = 0
     decode_step_seconds_total: float = 0.0
     decode_forward_seconds_total: float = 0.0
+    # speculative decoding: steps of a sequence with proposed tokens, the tokens proposed, and of
+    # them the ones accepted
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
 
 
 class Heartbeat(Struct, tag=True):
