@@ -16,7 +16,12 @@ import argparse
 
 from services.executor.options import ExecutorOptions, ParallelOptions
 from services.gateway.options import GatewayOptions
-from services.scheduler.options import KVEventsOptions, SchedulerOptions, SchedulingOptions, SpeculativeOptions
+from services.scheduler.options import (
+    KVEventsOptions,
+    SchedulerOptions,
+    SchedulingOptions,
+    SpeculativeOptions,
+)
 from services.tokenizer.options import TokenizerOptions
 from shared.config import BatchLimits, ContextOptions, EngineName, LogOptions, ModelOptions, add_address_args
 from shared.options import add_options, from_args, option_classes, to_argv
