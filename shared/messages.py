@@ -424,6 +424,9 @@ class StepResult(Struct, tag=True):
     # the pooled vectors (float32 little-endian, unit length) of the step's pooling rows that end
     # their prompt, in step order (b"" for a failed one)
     embeddings: list[bytes] = []
+    # of each seq with draft_token_ids, in step order: how many of its drafts were accepted (their
+    # logprobs, when asked, come before its sampled token's in `logprobs`)
+    num_accepted: list[int] = []
 
 
 class StepFailed(Struct, tag=True):
