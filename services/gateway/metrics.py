@@ -11,7 +11,10 @@ Extension's endpoint picker, llm-d, vLLM's production-stack router): `vllm:num_r
 `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (the fraction of KV blocks in use,
 0 to 1, as vLLM reports it despite the name), one series per engine labelled
 {model_name=<served model name>, engine="<rank>"} as vLLM v1 labels them. vLLM's LoRA gauge
-(`vllm:lora_requests_info`) is left out: there are no adapters to report.
+(`vllm:lora_requests_info`) is left out: there are no adapters to report. Speculative decoding's
+counters (proposals, proposed and accepted tokens) are there under ours and vLLM's names
+(`vllm:spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`), with the mean
+accepted length (1 + accepted / drafts) as a gauge.
 """
 
 from __future__ import annotations
@@ -158,6 +161,21 @@ class Metrics:
                                   VLLM_LABELS, registry=r)
         self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                                    VLLM_LABELS, registry=r)
+        # speculative decoding (--speculative): ours, and under vLLM's names
+        self.spec_drafts = Counter("pagedserve_spec_decode_num_drafts", "Sequence steps with proposed tokens",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("pagedserve_spec_decode_num_draft_tokens", "Tokens proposed", registry=r)
+        self.spec_accepted = Counter("pagedserve_spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                                     registry=r)
+        self.spec_mean_length = Gauge("pagedserve_spec_decode_mean_accepted_length",
+                                      "Tokens a speculating sequence step produced on average: 1 + accepted / drafts",
+                                      registry=r)
+        self.vllm_spec_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                        VLLM_LABELS, registry=r)
+        self.vllm_spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                              VLLM_LABELS, registry=r)
+        self.vllm_spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                          VLLM_LABELS, registry=r)
 
     def observe_routed(self, engine: str) -> None:
         self.engine_routed.labels(engine).inc()
@@ -192,6 +210,7 @@ class Metrics:
         self._mirror(replica, self.prefix_hits, stats.prefix_cache_hits_total)
         self._mirror(replica, self.swapped_out, stats.num_swapped_out_total)
         self._mirror(replica, self.swapped_in, stats.num_swapped_in_total)
+        self._mirror_speculation(replica, labels, stats)
         self.blocks_cached.set(stats.kv_blocks_cached)
         self.blocks_saved.set(stats.kv_blocks_saved_by_sharing)
         free = stats.kv_blocks_total * stats.block_size - (
@@ -201,6 +220,17 @@ class Metrics:
                                 ("internal_fragmentation", stats.kv_slots_internal_frag),
                                 ("external_fragmentation", stats.kv_slots_external_frag), ("free", free)):
             self.kv_slots.labels(category).set(slots)
+
+    def _mirror_speculation(self, replica: str, labels: tuple[str, str], stats: SchedulerStats) -> None:
+        for ours, vllm, total in (
+                (self.spec_drafts, self.vllm_spec_drafts, stats.spec_decode_num_drafts_total),
+                (self.spec_draft_tokens, self.vllm_spec_draft_tokens, stats.spec_decode_num_draft_tokens_total),
+                (self.spec_accepted, self.vllm_spec_accepted, stats.spec_decode_num_accepted_tokens_total)):
+            self._mirror(replica, ours, total)
+            self._mirror(replica, vllm.labels(*labels), total, f"vllm:{ours._name}")
+        drafts = sum(s.spec_decode_num_drafts_total for s in self._latest.values())
+        accepted = sum(s.spec_decode_num_accepted_tokens_total for s in self._latest.values())
+        self.spec_mean_length.set(1 + accepted / drafts if drafts else 0.0)
 
     def _mirror(self, replica: str, counter: Counter, total: float, name: str | None = None) -> None:
         """Advance a counter to a running total the scheduler reports; a smaller total
