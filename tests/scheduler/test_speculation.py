@@ -49,6 +49,8 @@ class SpeculatingFakeExecutor:
         move_blocks(step, self.pool, self.host, bs)
         sampled, accepted, logprobs = [], [], []
         for seq in step.seqs:
+            if seq.sampling is not None:
+                self.sampling[seq.request_id] = seq.sampling
             assert len(seq.slot_mapping) == len(seq.token_ids)
             for slot, tok in zip(seq.slot_mapping, seq.token_ids, strict=True):
                 self.pool[slot] = tok
@@ -65,8 +67,6 @@ class SpeculatingFakeExecutor:
             if draft:
                 accepted.append(n)
             sampled.append(rows[n])
-            if seq.sampling is not None:
-                self.sampling[seq.request_id] = seq.sampling
             if self.sampling[seq.request_id].logprobs is not None:
                 logprobs += [TokenLogprob(t, -0.5) for t in rows[: n + 1]]
         return sampled, accepted, logprobs
@@ -184,7 +184,7 @@ def test_a_step_ahead_never_follows_a_speculating_step():
     assert steps_with_drafts > 0
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     block_size=st.sampled_from([1, 2, 4, 8]),
     num_blocks=st.integers(12, 40),
