@@ -93,10 +93,10 @@ def fit_to_executor(own: BatchLimits, ready: ExecutorReady) -> BatchLimits:
 
 
 SPECULATIVE_METHODS = ("off", "ngram")
-# measured on the 2-core AVX2 host with SmolLM2 (benchmarks/speculative.py, README): beyond this
-# many running sequences a step is no longer bound by reading the weights, and verifying drafts
-# costs more than the tokens they save
-SPECULATIVE_DISABLE_BATCH_SIZE = 4
+# benchmarks/speculative.py on the shared 2-core host with SmolLM2 (README): at C=1 speculation
+# gained on both prompt sets, at C=4 it lost on ShareGPT-like prompts (0.63x tok/s) and gained on
+# copy-heavy ones; off above 2 running sequences keeps the measured win and avoids the measured loss
+SPECULATIVE_DISABLE_BATCH_SIZE = 2
 
 
 @dataclass(frozen=True)

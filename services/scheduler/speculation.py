@@ -34,7 +34,7 @@ class SpeculativeConfig:
     num_tokens: int = 4  # the most proposed per sequence per step
     ngram_min: int = 1
     ngram_max: int = 4
-    disable_batch_size: int = 4  # no proposals while more sequences than this run
+    disable_batch_size: int = 2  # no proposals while more sequences than this run (SpeculativeOptions')
 
     @property
     def enabled(self) -> bool:
