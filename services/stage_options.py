@@ -17,7 +17,12 @@ import argparse
 from services.dynamo_worker.options import DynamoOptions
 from services.executor.options import ExecutorOptions, ParallelOptions
 from services.gateway.options import GatewayOptions
-from services.scheduler.options import KVEventsOptions, SchedulerOptions, SchedulingOptions
+from services.scheduler.options import (
+    KVEventsOptions,
+    SchedulerOptions,
+    SchedulingOptions,
+    SpeculativeOptions,
+)
 from services.tokenizer.options import TokenizerOptions
 from shared.config import BatchLimits, ContextOptions, EngineName, LogOptions, ModelOptions, add_address_args
 from shared.lora_options import LoraOptions
@@ -27,7 +32,7 @@ STAGE_GROUPS: dict[str, tuple[type, ...]] = {
     "gateway": (ModelOptions, GatewayOptions, SchedulingOptions, LoraOptions, LogOptions),
     "tokenizer": (ModelOptions, ContextOptions, TokenizerOptions, LogOptions),
     "scheduler": (EngineName, BatchLimits, ContextOptions, SchedulerOptions, SchedulingOptions, KVEventsOptions,
-                  LoraOptions, LogOptions),
+                  SpeculativeOptions, LoraOptions, LogOptions),
     "executor": (ModelOptions, EngineName, ExecutorOptions, ParallelOptions, LoraOptions, LogOptions),
     # an engine served to NVIDIA Dynamo (`serve --dynamo`): the scheduler's KV events are relayed
     "dynamo-worker": (ModelOptions, EngineName, ContextOptions, BatchLimits, KVEventsOptions, DynamoOptions,

@@ -72,6 +72,9 @@ class SamplingParams(Struct, frozen=True):
     # prompt's pooled last hidden state (a PooledOutput) instead of sampled tokens; max_tokens 1
     pooling: str | None = None
     lora: LoraAdapter | None = None  # run under this adapter (None: the base model)
+    # False: never speculated (--speculative), whatever the engine's setting; the output is the same
+    # either way (speculation is lossless), so this only trades the engine's speed for this request's
+    speculative: bool = True
 
 
 class ChatOptions(Struct, frozen=True):
@@ -354,6 +357,10 @@ class ScheduledSeq(Struct):
     seed: int | None = None  # this sequence's sampling seed (its request's held sampling, reseeded)
     output_start: int = 0  # output_token_ids start at this output index
     lora_slot: int = -1  # the executor's LoRA slot (ExecuteStep.lora_slots) this row runs under; -1: none
+    # speculative decoding: proposed tokens that follow token_ids[0], also in token_ids (whose last
+    # len(draft_token_ids) entries they are); the executor samples every one of those positions and
+    # accepts the longest prefix it agrees with (StepResult.num_accepted)
+    draft_token_ids: list[int] = []
 
 
 class ExecuteStep(Struct, tag=True):
@@ -415,7 +422,8 @@ class FailedRow(Struct, array_like=True):
 
 
 class StepResult(Struct, tag=True):
-    """sampled[i] is the token of seqs[i] of the step, or -1 where it was not sampled or failed."""
+    """sampled[i] is the token of seqs[i] of the step, or -1 where it was not sampled or failed.
+    A sequence with draft tokens produced its first num_accepted drafts, then sampled[i]."""
 
     step_id: int
     sampled: list[int]
@@ -431,6 +439,9 @@ class StepResult(Struct, tag=True):
     # the pooled vectors (float32 little-endian, unit length) of the step's pooling rows that end
     # their prompt, in step order (b"" for a failed one)
     embeddings: list[bytes] = []
+    # of each seq with draft_token_ids, in step order: how many of its drafts were accepted (their
+    # logprobs, when asked, come before its sampled token's in `logprobs`)
+    num_accepted: list[int] = []
 
 
 class StepFailed(Struct, tag=True):
@@ -487,6 +498,11 @@ class SchedulerStats(Struct):
     lora_running: dict[str, int] = {}
     lora_waiting: dict[str, int] = {}
     max_loras: int = 0
+    # speculative decoding: steps of a sequence with proposed tokens, the tokens proposed, and of
+    # them the ones accepted
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
 
 
 class Heartbeat(Struct, tag=True):

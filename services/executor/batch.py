@@ -29,8 +29,9 @@ class BatchMetadata:
     query_start_loc: Tensor  # [num_seqs + 1] where each sequence's tokens start
     context_lens: Tensor  # [num_seqs] start_pos + its number of new tokens
     block_tables: Tensor  # [num_seqs, max_blocks], padded with block 0
-    # rows whose logits the model computes: each sampled sequence's last token, then the
-    # scored prompt positions of the sequences that score their prompt
+    # rows whose logits the model computes: each sampled sequence's last token (its last
+    # 1 + len(draft_token_ids) tokens for one that speculates), then the scored prompt positions
+    # of the sequences that score their prompt
     sample_indices: Tensor  # [num_sampled + num_scored]
     sampled_seqs: list[int]  # which sequence each sampled row belongs to
     query_lens: list[int]
@@ -104,9 +105,12 @@ class BatchMetadata:
 
         sampled_seqs = [i for i, s in enumerate(seqs) if s.sample]
         sample_indices = query_start_loc[1:][sampled_seqs] - 1
+        rows = [1 + len(s.draft_token_ids) if s.sample else 0 for s in seqs]
+        if any(r > 1 for r in rows):
+            sampled_seqs, sample_indices = cls._speculated_rows(seqs, rows, query_start_loc)
         scored = [(i, len(s.score_targets)) for i, s in enumerate(seqs) if s.score_targets]
         for i, m in scored:
-            if m > query_lens[i] - (1 if seqs[i].sample else 0):
+            if m > query_lens[i] - rows[i]:
                 raise InvalidStep(f"{seqs[i].request_id}: {m} scored positions in a chunk of {query_lens[i]}")
         if scored:
             sample_indices = torch.cat([sample_indices] + [query_start_loc[i] + torch.arange(m) for i, m in scored])
@@ -125,6 +129,18 @@ class BatchMetadata:
             block_size=block_size,
             scored_seqs=scored,
         )
+
+    @staticmethod
+    def _speculated_rows(seqs: list, rows: list[int], query_start_loc: Tensor) -> tuple[list[int], Tensor]:
+        """sampled_seqs and sample_indices when some sequences speculate: their last 1 + k positions
+        (k draft tokens, the last of their token_ids) are each sampled (services/executor/speculative.py)."""
+        for s, r in zip(seqs, rows, strict=True):
+            if s.draft_token_ids and (r > len(s.token_ids) or s.token_ids[len(s.token_ids) - r + 1 :] != s.draft_token_ids):
+                raise InvalidStep(f"{s.request_id}: its draft tokens are not the last of its tokens")
+        ends = query_start_loc[1:].tolist()
+        sampled = [i for i, r in enumerate(rows) for _ in range(r)]
+        indices = [ends[i] - r + j for i, r in enumerate(rows) for j in range(r)]
+        return sampled, torch.tensor(indices, dtype=torch.long)
 
     @classmethod
     def _decode(cls, step: ExecuteStep, block_size: int, num_blocks: int | None,

@@ -7,6 +7,8 @@ then sampling of the sequences that asked for a token. `run` returns the whole
 `logprobs`) and the scored prompt positions of the sequences that score their prompt
 (logits are computed at those positions only for them). Sequences with structured
 output sample under their grammar's token mask (`grammar`), filled during the forward pass.
+A sequence with proposed tokens (speculative decoding) has each of its last 1 + k positions
+sampled, and keeps the proposals its samples agree with (`speculative`).
 
 What is computed per sequence after the forward pass (grammar masks, logits processors,
 sampling, logprobs, prompt scoring) fails only that sequence: the step's result lists it
@@ -61,6 +63,7 @@ from services.executor.options import ExecutorOptions
 from services.executor.pooling import Pooler
 from services.executor.quantization import ALL_ROWS
 from services.executor.sampler import Sampler, no_token_problem
+from services.executor.speculative import row_output_indices, sampled_rows, settle
 from services.executor.step_calibration import calibrate_runner
 from services.executor.tp_group import GroupBroken, TPGroup
 from shared import cpu_placement
@@ -208,7 +211,7 @@ class ModelRunner:
         if not step.seqs:
             self._move_blocks(step)
             return StepResult(step.step_id, [], 0.0)
-        seqs = [s for s in step.seqs if s.sample]
+        seqs = sampled_rows(step.seqs)  # one per sampled row: a speculating sequence has several
         if self.tp.rank > 0:
             seqs = []  # no sampling here: no grammar masks to fill
         # the grammar masks of constrained sequences are filled while the forward pass runs
@@ -231,7 +234,7 @@ class ModelRunner:
         num_sampled = len(meta.sampled_seqs)
         if num_sampled:
             params = [s.sampling for s in seqs]
-            indices = [s.output_index for s in seqs]
+            indices = row_output_indices(step.seqs)
             histories = [History(s.prompt_token_ids, s.output_token_ids) if s.sampling.needs_output else None
                          for s in seqs]
             raw = logits[:num_sampled]
@@ -242,10 +245,9 @@ class ModelRunner:
             if bitmask is not None:
                 for j, why in self.grammar.accept(seqs, tokens).items():
                     failed[j], tokens[j] = (500, why), -1
-            for i, token in zip(meta.sampled_seqs, tokens, strict=True):
-                result.sampled[i] = token
+            emitted = settle(step.seqs, meta.sampled_seqs, tokens, result, failed)
             result.top_logprobs = self._top_logprobs(processed, seqs)
-            asked = [j for j, p in enumerate(params) if p.logprobs is not None]
+            asked = [j for j in emitted if params[j].logprobs is not None]
             if asked:
                 result.logprobs = self._logprobs(raw, asked, tokens, params, failed)
         failures = {meta.sampled_seqs[j]: why for j, why in failed.items()}  # by index in step.seqs

@@ -14,7 +14,10 @@ Extension's endpoint picker, llm-d, vLLM's production-stack router): `vllm:num_r
 `pagedserve_lora_requests_running{lora_name}` and `..._waiting` (summed over the engines), and
 vLLM's `vllm:lora_requests_info` (one series, its value the time it was set, labelled
 `running_lora_adapters` and `waiting_lora_adapters`, comma-separated names, and `max_lora`),
-which the inference extension reads to prefer a server that holds an adapter.
+which the inference extension reads to prefer a server that holds an adapter. Speculative
+decoding's counters (proposals, proposed and accepted tokens) are there under ours and vLLM's
+names (`vllm:spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`), with the mean
+accepted length (1 + accepted / drafts) as a gauge.
 """
 
 from __future__ import annotations
@@ -161,6 +164,21 @@ class Metrics:
                                   VLLM_LABELS, registry=r)
         self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                                    VLLM_LABELS, registry=r)
+        # speculative decoding (--speculative): ours, and under vLLM's names
+        self.spec_drafts = Counter("pagedserve_spec_decode_num_drafts", "Sequence steps with proposed tokens",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("pagedserve_spec_decode_num_draft_tokens", "Tokens proposed", registry=r)
+        self.spec_accepted = Counter("pagedserve_spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                                     registry=r)
+        self.spec_mean_length = Gauge("pagedserve_spec_decode_mean_accepted_length",
+                                      "Tokens a speculating sequence step produced on average: 1 + accepted / drafts",
+                                      registry=r)
+        self.vllm_spec_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                        VLLM_LABELS, registry=r)
+        self.vllm_spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                              VLLM_LABELS, registry=r)
+        self.vllm_spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                          VLLM_LABELS, registry=r)
 
         self.lora_running = Gauge("pagedserve_lora_requests_running", "Requests running under a LoRA adapter",
                                   ["lora_name"], registry=r)
@@ -203,6 +221,7 @@ class Metrics:
         self._mirror(replica, self.swapped_out, stats.num_swapped_out_total)
         self._mirror(replica, self.swapped_in, stats.num_swapped_in_total)
         self._observe_loras()
+        self._mirror_speculation(replica, labels, stats)
         self.blocks_cached.set(stats.kv_blocks_cached)
         self.blocks_saved.set(stats.kv_blocks_saved_by_sharing)
         free = stats.kv_blocks_total * stats.block_size - (
@@ -229,6 +248,16 @@ class Metrics:
         self.vllm_lora_info.clear()
         self.vllm_lora_info.labels(",".join(sorted(running)), str(max((s.max_loras for s in every), default=0)),
                                    ",".join(sorted(waiting))).set(time.time())
+    def _mirror_speculation(self, replica: str, labels: tuple[str, str], stats: SchedulerStats) -> None:
+        for ours, vllm, total in (
+                (self.spec_drafts, self.vllm_spec_drafts, stats.spec_decode_num_drafts_total),
+                (self.spec_draft_tokens, self.vllm_spec_draft_tokens, stats.spec_decode_num_draft_tokens_total),
+                (self.spec_accepted, self.vllm_spec_accepted, stats.spec_decode_num_accepted_tokens_total)):
+            self._mirror(replica, ours, total)
+            self._mirror(replica, vllm.labels(*labels), total, f"vllm:{ours._name}")
+        drafts = sum(s.spec_decode_num_drafts_total for s in self._latest.values())
+        accepted = sum(s.spec_decode_num_accepted_tokens_total for s in self._latest.values())
+        self.spec_mean_length.set(1 + accepted / drafts if drafts else 0.0)
 
     def _mirror(self, replica: str, counter: Counter, total: float, name: str | None = None) -> None:
         """Advance a counter to a running total the scheduler reports; a smaller total

@@ -102,11 +102,12 @@ class RequestText:
         c = self.choice(index)
         if c.finished:
             return None
-        c.token_ids += delta.token_ids
+        finish = delta.finish_reason
+        text, used = self._step_text(c.detok, delta.token_ids, final=finish is not None)
+        token_ids = delta.token_ids[:used]
+        c.token_ids += token_ids
         if first:
             c.num_cached_tokens = delta.num_cached_tokens
-        finish = delta.finish_reason
-        text = c.detok.step(delta.token_ids, final=finish is not None)
         stop_reason = delta.stop_token_id if delta.stop_token_id in self.params.stop_token_ids else None
         if c.detok.stopped:
             finish, stop_reason = "stop", c.detok.stop_reason
@@ -114,12 +115,25 @@ class RequestText:
         # Sent even with no text to show yet: the response counts tokens and times them.
         out = TextDelta(
             request_id=self.request_id, text=text, num_prompt_tokens=self.num_prompt_tokens,
-            num_output_tokens=c.detok.num_output_tokens, finish_reason=finish, token_ids=delta.token_ids,
-            seq_index=index, logprobs=self._texts.fill(delta.logprobs),
+            num_output_tokens=c.detok.num_output_tokens, finish_reason=finish, token_ids=token_ids,
+            seq_index=index, logprobs=self._texts.fill(delta.logprobs[:used]),
             stop_reason=stop_reason if finish == "stop" else None, num_cached_tokens=c.num_cached_tokens)
         if first:
             self._add_prompt(delta, out)
         return out
+
+    def _step_text(self, detok: Detokenizer, token_ids: list[int], final: bool) -> tuple[str, int]:
+        """The text of new tokens and how many of them the output keeps. A delta of several
+        tokens (speculative decoding accepts several a step) goes through one token at a time
+        while stop strings are watched, so that one ends the output at the token completing it."""
+        if not self.params.stop or len(token_ids) <= 1:
+            return detok.step(token_ids, final=final), len(token_ids)
+        parts = []
+        for n, token in enumerate(token_ids, 1):
+            parts.append(detok.step([token], final=final and n == len(token_ids)))
+            if detok.stopped:
+                return "".join(parts), n
+        return "".join(parts), len(token_ids)
 
     def stopped_here(self, index: int) -> bool:
         """The choice's detokenizer ended it (a stop string): the engine does not know yet."""

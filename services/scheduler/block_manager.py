@@ -5,7 +5,8 @@ A new sequence is admitted in two calls, as in vLLM v1: `get_computed_blocks` lo
 cached prefix up once, and `allocate_slots` takes those blocks plus room for the tokens to
 compute, or returns None, changing nothing, when they do not fit. A running sequence grows
 by a pair, a side-effect-free "can" and a "do" (`can_append`/`append_slots`; likewise
-`can_restore`/`restore` for one coming back from swap), plus `fork` and `free`. Of a sequence
+`can_restore`/`restore` for one coming back from swap), plus `fork` and `free`; `trim` gives
+back the slots of speculated tokens the model rejected. Of a sequence
 (`services/scheduler/sequence.py`'s `Sequence`, or any object with these fields) it reads
 and writes only its `block_table` (block i holds token positions
 [i * block_size, (i + 1) * block_size)), `num_computed_tokens`, its tokens (`num_tokens`,
@@ -274,6 +275,15 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self._release(block)
         seq.block_table.clear()
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Speculative decoding's rollback: keep only the blocks that hold seq's first num_tokens
+        positions (its verified, computed tokens). A block whose first slot held a rejected token
+        goes back to the pool; the rejected slots of a kept block are written over by the next
+        step. Never cached: `commit` only registers blocks full of verified tokens."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
 
     def slot_mapping(self, seq: Sequence, start: int, num_tokens: int) -> list[int]:
         bs, table = self.block_size, seq.block_table

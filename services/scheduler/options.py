@@ -10,9 +10,10 @@ import logging
 from dataclasses import dataclass
 
 from services.scheduler.reservation import POLICIES as KV_POLICIES
+from services.scheduler.speculation import SpeculativeConfig
 from shared.config import BatchLimits
 from shared.messages import ExecutorReady
-from shared.options import option
+from shared.options import option, positive
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -89,3 +90,36 @@ def fit_to_executor(own: BatchLimits, ready: ExecutorReady) -> BatchLimits:
                     ready.executor_id, ready.max_num_seqs, ready.max_num_batched_tokens, own.max_num_seqs,
                     own.max_num_batched_tokens, seqs, tokens)
     return BatchLimits(seqs, tokens)
+
+
+SPECULATIVE_METHODS = ("off", "ngram")
+# benchmarks/speculative.py on the shared 2-core host with SmolLM2 (README): at C=1 speculation
+# gained on both prompt sets, at C=4 it lost on ShareGPT-like prompts (0.63x tok/s) and gained on
+# copy-heavy ones; off above 2 running sequences keeps the measured win and avoids the measured loss
+SPECULATIVE_DISABLE_BATCH_SIZE = 2
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """speculative decoding (the scheduler proposes, the executor verifies)"""
+
+    speculative: str = option("off", "ngram: propose the tokens that followed the latest earlier occurrence of a "
+                                     "sequence's last n tokens (prompt lookup) and verify them in one step, "
+                                     "losslessly (greedy and sampled output keep the model's distribution)",
+                              choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = option(4, "the most tokens proposed for a sequence per step", parse=positive)
+    ngram_min: int = option(1, "the shortest suffix (tokens) the ngram proposer matches", parse=positive)
+    ngram_max: int = option(4, "the longest suffix (tokens) the ngram proposer matches (tried first)",
+                            parse=positive)
+    speculative_disable_batch_size: int = option(
+        SPECULATIVE_DISABLE_BATCH_SIZE, "no proposals while more than this many sequences run (as vLLM's "
+                                        "disable_by_batch_size): then a step is no longer bound by reading the "
+                                        "weights and verification stops paying", parse=positive)
+
+
+def speculative_config(options: SpeculativeOptions) -> SpeculativeConfig:
+    """The scheduler's speculation settings from its flags (ValueError for an empty suffix range)."""
+    if options.ngram_min > options.ngram_max:
+        raise ValueError(f"--ngram-min {options.ngram_min} is above --ngram-max {options.ngram_max}")
+    return SpeculativeConfig(options.speculative, options.num_speculative_tokens, options.ngram_min,
+                             options.ngram_max, options.speculative_disable_batch_size)

@@ -53,6 +53,13 @@ beams) fails alone: its sequences end with "error", their blocks are freed, and
 one whose row of a step the executor failed alone (`StepResult.failed`, see
 `fail_rows`): the whole request ends (all its samples or beams), its blocks are freed,
 and the step's other rows apply as usual.
+Speculative decoding (`speculation.py`, off by default): a running sequence in a decode step
+may carry proposed tokens after its last one (`ScheduledChunk.draft`), for which it takes
+slots too (never preempting anyone for them); the result says how many the executor accepted,
+the sequence goes on after those and the token sampled after them, and the slots of the
+rejected ones are given back (`BlockManager.trim`, a block freed when its first slot goes).
+Only verified tokens are committed to the prefix cache. A step built ahead never speculates,
+and a sequence that may speculate, or whose step in flight speculates, is not stepped ahead.
 Pure logic: it builds the step message but never touches a socket.
 """
 
@@ -73,6 +80,7 @@ from services.scheduler.host_block_pool import HostBlockPool
 from services.scheduler.lora_slots import LoraSlotTable
 from services.scheduler.priority_queue import PriorityWaiting, rank
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
+from services.scheduler.speculation import SpeculativeConfig, Speculator
 from services.scheduler.validation import request_problem, resume_problem, token_limit
 from shared.messages import (
     PREVIOUS_TOKEN,
@@ -101,6 +109,7 @@ class SchedulerConfig:
     max_step_bytes: int = MAX_MESSAGE_BYTES // 4
     scheduling_policy: str = "fcfs"  # or "priority" (see the module doc)
     max_loras: int = 4  # distinct LoRA adapters a step may run (the executor's slots)
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,12 @@ class ScheduledChunk:
     sequence: Sequence
     num_tokens: int
     restored: bool = False  # its computed KV comes back from swap space in this step
+    draft: tuple[int, ...] = ()  # proposed tokens after its last one (speculative decoding)
+
+    @property
+    def num_slots(self) -> int:
+        """Positions it computes this step: its tokens and its proposed ones."""
+        return self.num_tokens + len(self.draft)
 
     @property
     def samples(self) -> bool:
@@ -147,6 +162,7 @@ class Scheduler:
         self.loras = LoraSlotTable(config.max_loras)
         self._lora_pinned: set[str] = set()  # digests of the adapters the step being built may not evict
         self._lora_skipped: set[int] = set()  # ids of waiting sequences whose adapter found no slot this step
+        self.speculator = Speculator(config.speculative)
 
     # --- requests in and out -------------------------------------------------------
 
@@ -402,9 +418,17 @@ class Scheduler:
                 if n == 0:  # a beam waiting for its siblings' candidates
                     i += 1
                     continue
-                if not self._fits_bytes(req, n):
+                draft = self._draft(req, budget - n) if n == 1 else []
+                if not self._fits_bytes(req, n + len(draft)):
                     full = True
                     break
+                if draft:
+                    copies += self.blocks.append_slots(req, n + len(draft))
+                    chunks.append(ScheduledChunk(req, n, draft=tuple(draft)))
+                    in_step.add(id(req))
+                    budget -= n + len(draft)
+                    i += 1
+                    continue
                 while not self.blocks.can_append(req, n):
                     idle = self._idle_beam(chunks)
                     if idle is not None:  # blocks nobody computes with this step go first
@@ -432,6 +456,19 @@ class Scheduler:
         if not preempted and not full:
             self._admit_waiting(budget, chunks, swap_in, copies, swap_out)
         return self._assemble(chunks, self._seqs(chunks), copies, swap_out, swap_in)
+
+    def _draft(self, req: Sequence, budget: int) -> list[int]:
+        """Proposed tokens for a running sequence's decode step, if their slots fit without
+        preempting anyone; [] otherwise."""
+        if not isinstance(self.blocks, BlockManager):  # the reservation baselines keep no rollback
+            return []
+        draft = self.speculator.propose(req, len(self.running), budget, self.config.max_model_len)
+        return draft if draft and self.blocks.can_append(req, 1 + len(draft)) else []
+
+    def _may_speculate(self, req: Sequence) -> bool:
+        """Whether req's next step may speculate: then it is not built ahead (without proposals)."""
+        return (isinstance(self.blocks, BlockManager) and self.speculator.active(len(self.running))
+                and req.speculation_allowed)
 
     def schedule_ahead(self, in_flight: list[ScheduledChunk]) -> tuple[ExecuteStep, list[ScheduledChunk]] | None:
         """The step after the one in flight, built before its result is back (async
@@ -483,6 +520,8 @@ class Scheduler:
                 continue  # not stepped by either kind of step until released
             chunk = sampling.get(id(req))
             if chunk is None or req.pending_forks or req.params.use_beam_search or req.sampling.needs_output:
+                return None
+            if chunk.draft or self._may_speculate(req):  # its accepted count is unknown, or it may propose
                 return None
             # its token in flight is its last (max_tokens, or the context is full): nothing after it
             if req.num_output_tokens + 1 < req.params.max_tokens and req.num_tokens + 1 < self.config.max_model_len:
@@ -580,7 +619,7 @@ class Scheduler:
         given = 0
         index = next((k for k, c in enumerate(chunks) if c.sequence is victim), None)
         if index is not None:
-            given = chunks.pop(index).num_tokens
+            given = chunks.pop(index).num_slots
             held = set(victim.block_table)
             copies[:] = [(src, dst) for src, dst in copies if dst not in held]
         # Swapped out only if it has no chunk in this step: else its table holds blocks taken for
@@ -713,26 +752,36 @@ class Scheduler:
         req, start = chunk.sequence, chunk.sequence.num_computed_tokens
         seq = ScheduledSeq(
             request_id=req.request_id,
-            token_ids=req.token_ids(start, start + chunk.num_tokens),
+            token_ids=req.token_ids(start, start + chunk.num_tokens) + list(chunk.draft),
             start_pos=start,
             block_table=list(req.block_table),
-            slot_mapping=self.blocks.slot_mapping(req, start, chunk.num_tokens),
+            slot_mapping=self.blocks.slot_mapping(req, start, chunk.num_slots),
             sample=chunk.samples and req.params.pooling is None,
             output_index=req.num_output_tokens,
             num_logprobs=2 * req.params.beam_width if req.params.use_beam_search else 0,
             score_targets=req.score_targets(start, chunk.num_tokens),
             prompt_logprobs=req.params.prompt_logprobs or 0,
             seq_index=req.seq_index,
+            draft_token_ids=list(chunk.draft),
         )
         self.executor_states.attach(seq, req)
         return seq
 
     @staticmethod
-    def expected_outputs(chunks: list[ScheduledChunk]) -> tuple[int, int, int]:
+    def expected_drafts(chunks: list[ScheduledChunk]) -> list[int]:
+        """The draft lengths of the chunks that speculate, in step order: the result's
+        num_accepted has one count for each, at most its length."""
+        return [len(c.draft) for c in chunks if c.draft]
+
+    @staticmethod
+    def expected_outputs(chunks: list[ScheduledChunk], num_accepted: list[int] = ()) -> tuple[int, int, int]:
         """How many beam candidate lists, sampled-token logprobs and scored-prompt lists the
-        result of a step of these chunks must hold (before it is applied)."""
+        result of a step of these chunks must hold (before it is applied); a speculating chunk
+        has a logprob for each accepted draft token too (num_accepted, as `expected_drafts`)."""
         beams = sum(1 for c in chunks if c.samples and c.sequence.params.use_beam_search)
-        logprobs = sum(1 for c in chunks if c.samples and c.sequence.sampling.logprobs is not None
+        accepted = iter(num_accepted)
+        logprobs = sum(1 + (next(accepted, 0) if c.draft else 0) for c in chunks
+                       if c.samples and c.sequence.sampling.logprobs is not None
                        and not c.sequence.params.use_beam_search)
         scored = sum(1 for c in chunks if c.sequence.score_targets(c.sequence.num_computed_tokens, c.num_tokens))
         return beams, logprobs, scored
@@ -740,22 +789,23 @@ class Scheduler:
     def process_results(
         self, chunks: list[ScheduledChunk], sampled: list[int], top_logprobs: list[list[tuple[int, float]]] = (),
         logprobs: list[TokenLogprob] = (), prompt_logprobs: list[list[TokenLogprob]] = (),
-        embeddings: list[bytes] = (),
+        embeddings: list[bytes] = (), num_accepted: list[int] = (),
     ) -> list[tuple[Sequence, TokenDelta | PooledOutput]]:
         """Apply one step's sampled tokens (and beams' candidates, the sampled tokens' logprobs,
-        the scored prompt positions and the pooled vectors of embedding requests whose prompt
-        ends, each given in step order for the sequences that have them); returns the deltas
-        to send, by request."""
+        the scored prompt positions, the pooled vectors of embedding requests whose prompt
+        ends and the accepted counts of speculating sequences, each given in step order for the
+        sequences that have them); returns the deltas to send, by request."""
         self.num_steps_total += 1
         out: list[tuple[Sequence, TokenDelta | PooledOutput]] = []
         candidates, token_lps, scored = iter(top_logprobs), iter(logprobs), iter(prompt_logprobs)
-        pooled = iter(embeddings)
+        pooled, accepted_counts = iter(embeddings), iter(num_accepted)
         touched_beams = set()
         for chunk, token in zip(chunks, sampled, strict=True):
             req = chunk.sequence
             samples = chunk.samples
+            accepted = next(accepted_counts) if chunk.draft else 0
             beam_cands = next(candidates) if samples and req.params.use_beam_search else None
-            token_lp = (next(token_lps) if samples and req.sampling.logprobs is not None
+            token_lp = ([next(token_lps) for _ in range(1 + accepted)] if samples and req.sampling.logprobs is not None
                         and not req.params.use_beam_search else None)
             positions = next(scored) if req.score_targets(req.num_computed_tokens, chunk.num_tokens) else None
             embedding = next(pooled) if samples and req.params.pooling is not None else None
@@ -767,7 +817,7 @@ class Scheduler:
                 if embedding is not None:
                     delta = self._apply_pooled(chunk, embedding)
                 else:
-                    delta = self._apply(chunk, token, beam_cands, token_lp)
+                    delta = self._apply(chunk, token, beam_cands, token_lp, accepted)
             except Exception as exc:
                 self.fail_request(req.request_id, exc)
                 continue
@@ -784,8 +834,10 @@ class Scheduler:
         return [(req, delta) for req, delta in out if req.finish_reason != "error"]
 
     def _apply(self, chunk: ScheduledChunk, token: int, beam_cands: list | None,
-               token_lp: TokenLogprob | None = None) -> TokenDelta | None:
-        """One sequence's share of a step's result; the delta to send, if any."""
+               token_lps: list[TokenLogprob] | None = None, num_accepted: int = 0) -> TokenDelta | None:
+        """One sequence's share of a step's result; the delta to send, if any. A speculating
+        chunk produced its first num_accepted draft tokens, then token (token_lps: one logprob
+        each, when asked); a stop among them ends it there."""
         req = chunk.sequence
         samples = chunk.samples
         if samples:  # a forged or broken result fails its request, before anything changes
@@ -794,9 +846,12 @@ class Scheduler:
                 raise ValueError(f"the executor sampled token id {token}, outside the vocabulary (0 to {top})")
             if beam_cands is not None and any(not 0 <= t <= top for t, _ in beam_cands):
                 raise ValueError(f"a beam candidate's token id is outside the vocabulary (0 to {top})")
+            if not 0 <= num_accepted <= len(chunk.draft):
+                raise ValueError(f"the executor accepted {num_accepted} of {len(chunk.draft)} proposed tokens")
         start = 0 if chunk.restored else req.num_computed_tokens
         req.num_computed_tokens += chunk.num_tokens
-        self.blocks.commit(req, start, req.num_computed_tokens)
+        if not chunk.draft:  # (a speculating chunk commits once it knows what was accepted)
+            self.blocks.commit(req, start, req.num_computed_tokens)
         if req.pending_forks and req.num_computed_tokens == req.fork_at:
             self._fork(req)
         if not samples:
@@ -806,20 +861,36 @@ class Scheduler:
                 raise ValueError("a beam candidate's logprob is not a number")
             req.candidates = [tuple(c) for c in beam_cands]
             return None
-        req.output_token_ids.append(token)
-        first = req.num_output_tokens == req.num_resumed_tokens + 1  # the first this engine sends
+        first = req.num_output_tokens == req.num_resumed_tokens  # its first token this engine sends
+        tokens, reason = [], None
+        for t in (*chunk.draft[:num_accepted], token):
+            req.output_token_ids.append(t)
+            tokens.append(t)
+            reason = req.stop_reason(self.config.max_model_len)
+            if reason is not None:
+                break
+        if chunk.draft:
+            self._settle_draft(chunk, start, num_accepted, len(tokens) - 1)
         prompt_logprobs = self._first_of_request(req) if first and req.asks_prompt_logprobs else False
-        reason = req.stop_reason(self.config.max_model_len)
         if reason is not None:
             self._finish(req, reason)
-        delta = TokenDelta(req.request_id, [token], req.num_prompt_tokens, reason, req.seq_index,
-                           logprobs=[token_lp] if token_lp is not None else [],
-                           stop_token_id=token if reason == "stop" else None)
+        delta = TokenDelta(req.request_id, tokens, req.num_prompt_tokens, reason, req.seq_index,
+                           logprobs=token_lps[: len(tokens)] if token_lps is not None else [],
+                           stop_token_id=tokens[-1] if reason == "stop" else None)
         if first:  # a sequence's first delta says what its prompt cost
             delta.num_cached_tokens = req.num_cached_tokens
             if prompt_logprobs:  # once a request: the gateway gives them to every sample
                 delta.prompt_logprobs = req.prompt_logprobs
         return delta
+
+    def _settle_draft(self, chunk: ScheduledChunk, start: int, num_accepted: int, num_kept: int) -> None:
+        """After a speculating chunk: the accepted draft tokens it kept (all, unless a stop came
+        first) are computed; the verified blocks are committed, the rejected slots given back."""
+        req = chunk.sequence
+        req.num_computed_tokens += num_kept
+        self.speculator.record(len(chunk.draft), num_accepted)
+        self.blocks.commit(req, start, req.num_computed_tokens)
+        self.blocks.trim(req, req.num_computed_tokens)
 
     def _apply_pooled(self, chunk: ScheduledChunk, embedding: bytes) -> PooledOutput:
         """The last chunk of an embedding request's prompt: it ends, with its pooled vector."""
@@ -899,6 +970,9 @@ class Scheduler:
             lora_running=_count_by_adapter(self.running),
             lora_waiting=_count_by_adapter(self.waiting),
             max_loras=len(self.loras.slots),
+            spec_decode_num_drafts_total=self.speculator.num_drafts,
+            spec_decode_num_draft_tokens_total=self.speculator.num_draft_tokens,
+            spec_decode_num_accepted_tokens_total=self.speculator.num_accepted_tokens,
         )
 
     def record_step_time(self, chunks: list[ScheduledChunk], wall_s: float, forward_s: float) -> None:
@@ -907,9 +981,16 @@ class Scheduler:
             self.decode_step_seconds_total += wall_s
             self.decode_forward_seconds_total += forward_s
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, at_rest: bool = False) -> None:
+        """Raise AssertionError unless the queues, the pool and the swap space agree. at_rest: no
+        step is in flight (every result applied), so each running sequence of a paged pool holds
+        just the blocks of its computed tokens: no slot of a rejected proposal is left."""
         live = [r for group in self.groups.values() for r in group.live]
         self.blocks.check_invariants(r.block_table for r in live)
+        if at_rest and isinstance(self.blocks, BlockManager):
+            for r in self.running:
+                assert len(r.block_table) <= self.blocks.blocks_for(r.num_computed_tokens), \
+                    f"{r.request_id} holds {len(r.block_table)} blocks for {r.num_computed_tokens} computed tokens"
         for r in self.waiting:
             assert not r.block_table and (r.num_computed_tokens == 0 or r.swapped_blocks)
         if self.swap is not None:

@@ -97,6 +97,19 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def speculation_allowed(self) -> bool:
+        """Its decode steps may carry proposed tokens (services/scheduler/speculation.py): their
+        verification is exact position by position, so not under penalties, a grammar or bad
+        words (they read the output), nor for a beam or an embedding; not when it opted out."""
+        p = self.params
+        return p.speculative and not p.use_beam_search and p.pooling is None and not self.sampling.needs_output
+
+    @property
+    def can_speculate(self) -> bool:
+        """Its next step may carry proposed tokens: a decode step (only its last token to compute)."""
+        return self.speculation_allowed and not self.pending_forks and self.num_uncomputed_tokens == 1
+
+    @property
     def max_total_tokens(self) -> int:
         if self.params.pooling is not None:  # an embedding request: its prompt alone, nothing sampled
             return self.num_prompt_tokens

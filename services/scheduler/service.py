@@ -66,7 +66,14 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.gateway_watch import GATEWAY_LOST_AFTER_S, GatewayWatch
 from services.scheduler.host_block_pool import HostBlockPool
 from services.scheduler.kv_accounting import kv_usage
-from services.scheduler.options import WARMUP_FACTOR, KVEventsOptions, engine_rank, fit_to_executor
+from services.scheduler.options import (
+    WARMUP_FACTOR,
+    KVEventsOptions,
+    SpeculativeOptions,
+    engine_rank,
+    fit_to_executor,
+    speculative_config,
+)
 from services.scheduler.outbox import Outbox
 from services.scheduler.pool_snapshot import pool_snapshot
 from services.scheduler.pool_watch import PoolWatch
@@ -154,6 +161,10 @@ class SchedulerService:
         self.snapshots_out = PushSocket(ctx, addr.status, StatusToGateway)
         self.kv_events, self.kv_rank = kv_event_publisher(ctx, from_args(KVEventsOptions, args), args.engine)
         self.kv_pending: list = []  # events the block managers recorded since the last batch
+        try:
+            self.speculative = speculative_config(from_args(SpeculativeOptions, args))
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from exc
         self.running = True
 
     def refresh_stats(self) -> None:
@@ -186,7 +197,8 @@ class SchedulerService:
         config = SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens, max_len,
                                  self.args.preemption_mode, msg.vocab_size,
                                  scheduling_policy=self.args.scheduling_policy,
-                                 max_loras=getattr(self.args, "max_loras", 4))
+                                 max_loras=getattr(self.args, "max_loras", 4),
+                                 speculative=self.speculative)
         if config.preemption_mode == "swap" and not msg.num_swap_blocks:
             log.warning("--preemption-mode swap without executor swap space: preempted requests recompute")
         blocks = make_allocator(self.args.kv_policy, msg.num_kv_blocks, msg.block_size, max_len,
@@ -214,6 +226,7 @@ class SchedulerService:
         if self.scheduler is None:
             self.scheduler = Scheduler(config, blocks, swap)
             log.info("executor %s ready: %d blocks of %d tokens", msg.executor_id, msg.num_kv_blocks, msg.block_size)
+            log.info("%s", config.speculative.describe())
             for peer, req in self.pending:
                 self.on_request(peer, req)
             self.pending.clear()
@@ -244,8 +257,12 @@ class SchedulerService:
         started = step.started if self.result_at is None else max(step.started, self.result_at)
         self.result_at = time.perf_counter()
         self.executor_warm = True
-        beams, logprobs, scored = self.scheduler.expected_outputs(chunks)
+        drafts = self.scheduler.expected_drafts(chunks)
+        accepted = msg.num_accepted if isinstance(msg, StepResult) else []
+        beams, logprobs, scored = self.scheduler.expected_outputs(chunks, accepted)
         if isinstance(msg, StepResult) and (len(msg.sampled) != len(chunks) or len(msg.top_logprobs) != beams
+                                            or len(accepted) != len(drafts)
+                                            or any(not 0 <= a <= d for a, d in zip(accepted, drafts, strict=False))
                                             or len(msg.logprobs) != logprobs or len(msg.prompt_logprobs) != scored
                                             or any(not 0 <= f.index < len(chunks) for f in msg.failed)
                                             or len(msg.embeddings) != self.scheduler.expected_embeddings(chunks)):
@@ -264,7 +281,7 @@ class SchedulerService:
             self._reply(req.reply_to, RequestError(req.request_id, status, row.message,
                                                    "invalid_request_error" if status == 400 else "internal_error"))
         for req, delta in self.scheduler.process_results(chunks, msg.sampled, msg.top_logprobs, msg.logprobs,
-                                                             msg.prompt_logprobs, msg.embeddings):
+                                                             msg.prompt_logprobs, msg.embeddings, msg.num_accepted):
             self._reply(req.reply_to, delta)
         self._report_failures()
         # from the previous result (or from scheduling, after idling) to this one: the whole

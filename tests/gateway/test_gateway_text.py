@@ -53,6 +53,22 @@ def test_a_stop_string_ends_the_choice_here_and_later_deltas_are_dropped(tok):
     assert text.on_delta(TokenDelta("r1", [5], 1, finish_reason="stop"), 0) is None
 
 
+def test_a_stop_string_inside_a_delta_of_several_tokens_keeps_only_the_tokens_up_to_it(tok):
+    """Speculative decoding accepts several tokens a step: the output still ends at the token that
+    completes the stop string, as one token a delta would."""
+    ids = tok.encode("go go STOP more words here")
+    one = text_of(tok, [5], SamplingParams(max_tokens=30, stop=["STOP"]))
+    singles = [m for m in (one.on_delta(TokenDelta("r1", [i], 1), 0) for i in ids) if m is not None]
+    many = text_of(tok, [5], SamplingParams(max_tokens=30, stop=["STOP"]))
+    lps = [TokenLogprob(i, -1.0) for i in ids]
+    whole = many.on_delta(TokenDelta("r1", ids, 1, logprobs=lps), 0)
+    assert whole.text == "".join(m.text for m in singles) == "go go "
+    assert whole.token_ids == [t for m in singles for t in m.token_ids] == many.received(0)
+    assert whole.num_output_tokens == singles[-1].num_output_tokens < len(ids)
+    assert [lp.token_id for lp in whole.logprobs] == whole.token_ids
+    assert whole.finish_reason == "stop" and many.done
+
+
 def test_token_ids_outside_the_vocabulary_are_refused(tok):
     text = text_of(tok, [5], SamplingParams(max_tokens=8))
     with pytest.raises(BadTokens):

@@ -159,6 +159,8 @@ FIELDS: tuple[Field, ...] = (
           _GEN),
     Field("stop_token_ids", {"type": "array", "maxItems": Limit("max_stop_token_ids"), "items": _TOKEN_ID}, _GEN),
     Field("ignore_eos", _BOOLEAN, _GEN),
+    Field("speculative", {**_BOOLEAN, "description": "false: never speculated (--speculative), whatever the "
+                                                    "engine's setting; the output is the same either way"}, _GEN),
     Field("include_stop_str_in_output", _BOOLEAN, _GEN),
     Field("return_token_ids", _BOOLEAN, _GEN),
     Field("response_format", {"type": "object", "required": ["type"], "properties": {

@@ -63,6 +63,7 @@ def _sampling(body: dict, max_tokens: int, limits: RequestLimits) -> SamplingPar
         allowed_token_ids=token_id_list(body, "allowed_token_ids", limits.max_allowed_token_ids, allow_empty=False),
         bad_words=_bad_words(body, limits),
         cache_salt=_cache_salt(body),
+        speculative=boolean(body, "speculative", True),
     )
 
 

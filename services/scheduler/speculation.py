@@ -1,0 +1,79 @@
+"""Speculative decoding, scheduler side: which sequences speculate, their proposals, the counts.
+
+The scheduler holds every sequence's tokens, so proposals are made here (`propose_ngram`)
+and travel in the step (`ScheduledSeq.draft_token_ids`); the executor samples every
+proposed position and accepts the longest prefix it agrees with (`StepResult.num_accepted`),
+and the scheduler rolls the rejected tokens' slots back (`BlockManager.trim`). Nothing per
+sequence is kept: a proposal is made from the sequence's verified tokens each step.
+
+A sequence speculates only where that is exact and cheap to verify (`Sequence.can_speculate`):
+not under penalties, grammars or bad words (they read the output the executor would have to
+replay token by token), not a beam or an embedding request, not after `"speculative": false`.
+Nothing is proposed while more than `disable_batch_size` sequences run (a step is then no
+longer bound by reading the weights), past max_tokens or the context, or beyond the step's
+token budget; a proposal never preempts anyone (the caller drops it when its slots do not fit).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.scheduler.ngram_proposer import propose_ngram
+
+if TYPE_CHECKING:
+    from services.scheduler.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "off"  # or "ngram"
+    num_tokens: int = 4  # the most proposed per sequence per step
+    ngram_min: int = 1
+    ngram_max: int = 4
+    disable_batch_size: int = 2  # no proposals while more sequences than this run (SpeculativeOptions')
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off" and self.num_tokens > 0
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "speculative decoding off"
+        return (f"speculative decoding: {self.method} (suffixes of {self.ngram_max} down to {self.ngram_min} tokens), "
+                f"up to {self.num_tokens} tokens a step, while at most {self.disable_batch_size} sequences run")
+
+
+class Speculator:
+    """Proposals for the sequences of a step, and the totals of what became of them."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.num_drafts = 0  # sequence-steps with a proposal
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def active(self, num_running: int) -> bool:
+        """Whether sequences may speculate at this batch size."""
+        return self.config.enabled and num_running <= self.config.disable_batch_size
+
+    def propose(self, req: Sequence, num_running: int, budget: int, max_model_len: int) -> list[int]:
+        """Draft tokens for req's next step (a decode step: its last token is the one to compute),
+        at most budget of them; [] when it does not speculate now."""
+        if not self.active(num_running) or not req.can_speculate:
+            return []
+        c = self.config
+        # the step samples 1 + len(draft) tokens: none past max_tokens or the context
+        room = min(c.num_tokens, budget, req.params.max_tokens - req.num_output_tokens - 1,
+                   max_model_len - req.num_tokens - 1)
+        if room <= 0:
+            return []
+        return propose_ngram(req.token_ids(0, req.num_tokens), room, c.ngram_min, c.ngram_max)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted

@@ -1,0 +1,208 @@
+"""Speculative decoding in the scheduler, with a model-free executor that verifies proposals.
+
+The stand-in model mostly repeats the sequence's tokens from PERIOD positions back (so prompt
+lookup proposals are often right) and sometimes does not (so some are rejected); it reads every
+token back through the slots it is given, so a wrong slot, a block freed too early or a rolled
+back token that survives shows up as a wrong output. Outputs must equal decoding without
+speculation token for token, with the pool's and the scheduler's invariants checked after
+every step, including preemption by recompute and swap while sequences speculate.
+"""
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.host_block_pool import HostBlockPool
+from services.scheduler.ngram_proposer import propose_ngram
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.sequence import Sequence
+from services.scheduler.speculation import SpeculativeConfig
+from shared.messages import SamplingParams, TokenLogprob
+from tests.scheduler.test_scheduler import move_blocks
+
+EOS = 2
+PERIOD = 5
+
+
+def model(seen: list[int]) -> int:
+    """The stand-in's next token: the one PERIOD back, except at some positions."""
+    h = (sum(seen) * 31 + len(seen)) % 97
+    if len(seen) < PERIOD or h % 4 == 0:
+        return h + 3
+    return seen[-PERIOD]
+
+
+class SpeculatingFakeExecutor:
+    """Writes every token of a step (proposals too) into the slots given, then samples each
+    proposed position from the tokens read back, accepting while they agree."""
+
+    def __init__(self, block_size: int):
+        self.bs = block_size
+        self.pool: dict[int, int] = {}
+        self.host: dict[int, int] = {}
+        self.sampling: dict[str, object] = {}  # as the executor keeps it (sent once per request)
+
+    def execute(self, step):
+        bs = self.bs
+        move_blocks(step, self.pool, self.host, bs)
+        sampled, accepted, logprobs = [], [], []
+        for seq in step.seqs:
+            if seq.sampling is not None:
+                self.sampling[seq.request_id] = seq.sampling
+            assert len(seq.slot_mapping) == len(seq.token_ids)
+            for slot, tok in zip(seq.slot_mapping, seq.token_ids, strict=True):
+                self.pool[slot] = tok
+            end = seq.start_pos + len(seq.token_ids)
+            seen = [self.pool[seq.block_table[p // bs] * bs + p % bs] for p in range(end)]
+            if not seq.sample:
+                sampled.append(-1)
+                continue
+            draft = seq.draft_token_ids
+            rows = [model(seen[: end - len(draft) + j]) for j in range(len(draft) + 1)]
+            n = 0
+            while n < len(draft) and rows[n] == draft[n]:
+                n += 1
+            if draft:
+                accepted.append(n)
+            sampled.append(rows[n])
+            if self.sampling[seq.request_id].logprobs is not None:
+                logprobs += [TokenLogprob(t, -0.5) for t in rows[: n + 1]]
+        return sampled, accepted, logprobs
+
+
+def reference(prompt: list[int], max_tokens: int) -> list[int]:
+    seen, out = list(prompt), []
+    for _ in range(max_tokens):
+        out.append(model(seen))
+        seen.append(out[-1])
+        if out[-1] == EOS:
+            break
+    return out
+
+
+def request(rid: str, prompt_len: int, max_tokens: int, **params) -> Sequence:
+    rng = random.Random(rid)
+    prompt = [rng.randrange(3, 40) for _ in range(prompt_len)]
+    return Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), frozenset({EOS}), 0.0)
+
+
+def run(sched: Scheduler, max_steps: int = 5000) -> tuple[dict, dict]:
+    executor = SpeculatingFakeExecutor(sched.blocks.block_size)
+    outputs, logprobs = {}, {}
+    for _ in range(max_steps):
+        scheduled = sched.schedule()
+        if scheduled is None:
+            break
+        step, chunks = scheduled
+        for seq, chunk in zip(step.seqs, chunks, strict=True):  # the slots of proposals are the chunk's
+            assert seq.draft_token_ids == list(chunk.draft)
+            assert len(seq.slot_mapping) == chunk.num_slots
+        sampled, accepted, lps = executor.execute(step)
+        for req, delta in sched.process_results(chunks, sampled, logprobs=lps, num_accepted=accepted):
+            outputs.setdefault(req.request_id, []).extend(delta.token_ids)
+            logprobs.setdefault(req.request_id, []).extend(lp.token_id for lp in delta.logprobs)
+        sched.check_invariants(at_rest=True)
+    else:
+        raise AssertionError("no end")
+    assert not sched.has_work
+    return outputs, logprobs
+
+
+def scheduler(num_blocks: int, block_size: int, k: int, mode: str = "recompute", swap_blocks: int = 0,
+              max_num_seqs: int = 8, prefix_caching: bool = True) -> Scheduler:
+    spec = SpeculativeConfig("ngram", k, 1, 3, disable_batch_size=max_num_seqs) if k else SpeculativeConfig()
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, preemption_mode=mode,
+                             speculative=spec)
+    return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching), HostBlockPool(swap_blocks))
+
+
+def test_ngram_proposals_take_the_latest_match_longest_suffix_first():
+    assert propose_ngram([1, 2, 3, 9, 2, 3, 7, 2, 3], 2, 1, 3) == [7, 2]
+    assert propose_ngram([1, 2, 3, 4, 5], 3, 1, 3) == []
+    assert propose_ngram([4, 1, 2, 8, 1, 2], 4, 2, 2) == [8, 1, 2]
+    assert propose_ngram([4, 1, 2, 8, 5, 2], 4, 2, 2) == []
+    assert propose_ngram([4, 1, 2, 8, 5, 2], 4, 1, 2) == [8, 5, 2]
+
+
+def test_speculation_gives_the_same_tokens_and_accepts_some():
+    reqs = [request(f"r{i}", 7 + 5 * i, 30 + 3 * i) for i in range(4)]
+    plain, _ = run(scheduler(64, 4, 0))
+    sched = scheduler(64, 4, 4)
+    for r in reqs:
+        sched.add_request(r)
+    spec, _ = run(sched)
+    assert spec == {r.request_id: reference(r.prompt_token_ids, r.params.max_tokens) for r in reqs}
+    stats = sched.stats()
+    assert stats.spec_decode_num_draft_tokens_total > stats.spec_decode_num_accepted_tokens_total > 0
+    assert sched.blocks.num_used_blocks == 0
+    del plain
+
+
+def test_logprobs_max_tokens_and_opt_out_see_exactly_the_accepted_tokens():
+    sched = scheduler(64, 4, 4)
+    a = request("a", 9, 23, logprobs=0)
+    b = request("b", 9, 17, speculative=False)
+    for r in (a, b):
+        sched.add_request(r)
+    outputs, logprobs = run(sched)
+    assert outputs["a"] == reference(a.prompt_token_ids, 23) and len(outputs["a"]) == 23
+    assert logprobs["a"] == outputs["a"]  # one logprob per token, for that token
+    assert outputs["b"] == reference(b.prompt_token_ids, 17)
+    assert sched.stats().spec_decode_num_accepted_tokens_total > 0
+
+
+def test_no_proposals_above_the_disable_batch_size_or_under_penalties():
+    sched = scheduler(64, 4, 4)
+    sched.speculator.config = SpeculativeConfig("ngram", 4, 1, 3, disable_batch_size=1)
+    for i in range(2):
+        sched.add_request(request(f"r{i}", 9, 12))
+    sched.add_request(request("p", 9, 12, presence_penalty=0.5))
+    step, chunks = sched.schedule()
+    sched.process_results(chunks, [5] * len(chunks))
+    step, chunks = sched.schedule()
+    assert not any(s.draft_token_ids for s in step.seqs)
+
+
+def test_a_step_ahead_never_follows_a_speculating_step():
+    sched = scheduler(64, 4, 4)
+    sched.add_request(request("r", 12, 40))
+    executor = SpeculatingFakeExecutor(4)
+    steps_with_drafts = 0
+    for _ in range(60):
+        scheduled = sched.schedule()
+        if scheduled is None:
+            break
+        step, chunks = scheduled
+        if any(c.draft for c in chunks):
+            steps_with_drafts += 1
+        # a sequence that may speculate is not stepped ahead (its next step may propose)
+        assert sched.schedule_ahead(chunks) is None
+        sampled, accepted, _ = executor.execute(step)
+        sched.process_results(chunks, sampled, num_accepted=accepted)
+    assert steps_with_drafts > 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    num_blocks=st.integers(12, 40),
+    k=st.integers(1, 6),
+    mode=st.sampled_from(["recompute", "swap"]),
+    prefix_caching=st.booleans(),
+    lens=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 30)), min_size=1, max_size=5),
+)
+def test_rollback_across_block_boundaries_keeps_outputs_and_invariants(block_size, num_blocks, k, mode,
+                                                                       prefix_caching, lens):
+    sched = scheduler(num_blocks, block_size, k, mode, swap_blocks=64, max_num_seqs=4,
+                      prefix_caching=prefix_caching)
+    reqs = []
+    for i, (prompt_len, max_tokens) in enumerate(lens):
+        r = request(f"r{i}", prompt_len, max_tokens)
+        if sched.check_fits(r) is None:
+            sched.add_request(r)
+            reqs.append(r)
+    outputs, _ = run(sched)
+    assert outputs == {r.request_id: reference(r.prompt_token_ids, r.params.max_tokens) for r in reqs}
+    assert sched.blocks.num_used_blocks == 0
