@@ -49,6 +49,7 @@ from kernels.attention import get_backend
 from services.executor.batch import BatchMetadata, InvalidStep
 from services.executor.compiled_decode import SCRATCH_BLOCKS, CompiledDecode
 from services.executor.cuda_graphs import DecodeGraphs
+from services.executor.deterministic import make_batch_invariant
 from services.executor.dtype_choice import resolve_dtype, resolve_kv_cache_dtype
 from services.executor.gpu_memory import kv_cache_budget, profile_step
 from services.executor.grammar import GrammarMasks
@@ -104,9 +105,14 @@ class ModelRunner:
         self.backend = get_backend(o.attention_backend, o.device)
         # on one CPU process the quantized copies' row limits are timed on real decode steps once the
         # pool exists (services.executor.step_calibration); until then they serve every calibrated size
-        step_calibrated = o.int4_max_rows is None and self.tp.size == 1 and self.device.type == "cpu"
+        # (not under --deterministic, whose quantized copies serve every step or none)
+        step_calibrated = (o.int4_max_rows is None and self.tp.size == 1 and self.device.type == "cpu"
+                           and not o.deterministic)
         self.model = load_model(model_dir, self.dtype, self.device, self.backend, o.quantization,
-                                ALL_ROWS if step_calibrated else o.int4_max_rows, self.tp)
+                                ALL_ROWS if step_calibrated or o.deterministic else o.int4_max_rows, self.tp)
+        if o.deterministic:
+            for line in make_batch_invariant(self.model):
+                log.info(line)
         self.kv_dtype = resolve_kv_cache_dtype(o.kv_cache_dtype, self.dtype, self.backend.name)
         config = self.model.config
         self.max_model_len: int = config.max_position_embeddings
@@ -127,8 +133,10 @@ class ModelRunner:
             memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
             num_kv_blocks = KVCache.blocks_for_memory(memory, *shape, self.kv_dtype)
         num_kv_blocks = self.tp.min_int(num_kv_blocks)  # every rank's pool has the same blocks
-        compiled = o.compile_decode and self.device.type == "cpu" and self.tp.size == 1
-        if o.compile_decode and not compiled:
+        compiled = o.compile_decode and self.device.type == "cpu" and self.tp.size == 1 and not o.deterministic
+        if o.compile_decode and o.deterministic:
+            log.info("--compile is off under --deterministic (each padded batch size would be its own graph)")
+        elif o.compile_decode and not compiled:
             log.info("--compile is for decode steps on one CPU process; ignored here (CUDA graphs serve CUDA)")
         # a compiled decode step's padding rows write their K/V past the pool the scheduler knows
         extra = SCRATCH_BLOCKS if compiled else 0

@@ -54,6 +54,11 @@ class ExecutorOptions:
                                          "(shared.cpu_placement; `serve` passes it when one executor has the host's "
                                          "CPU)", stage_only=True)
     executor_id: str | None = option(None, "name in heartbeats and ExecutorReady", stage_only=True)
+    deterministic: bool = option(False, "batch-invariant steps: a request's tokens and logprobs are the same alone, "
+                                        "in any batch, however its prompt is chunked and after a replay (one kernel "
+                                        "path per linear for every row count, dense matmuls in fixed tiles of rows, "
+                                        "no --compile; services.executor.deterministic). Same machine and thread "
+                                        "count only")
 
 
 @dataclass(frozen=True)

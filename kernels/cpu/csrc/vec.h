@@ -57,11 +57,12 @@ using V = __m256;
 inline V zero() { return _mm256_setzero_ps(); }
 inline V set1(float x) { return _mm256_set1_ps(x); }
 inline V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+// ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)): the order reduce_add4 sums each of its vectors in, so
+// that a score is the same bits whichever of the two the attention kernel takes for its key (that depends
+// on where the chunk ends: a prompt split into other chunks would otherwise get other scores)
 inline float reduce_add(V a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, a), a);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
 }
 inline void reduce_add4(V a0, V a1, V a2, V a3, float* out) {
   // pairwise sums within each 128-bit half, twice, then the two halves added: 3 hadds for 4 sums

@@ -39,6 +39,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from kernels.attention import AttentionBackend
 from kernels.lora import add_lora
 from services.executor.batch import BatchMetadata
+from services.executor.deterministic import tiled_linear
 from services.executor.models.sharding import ModelShard
 from services.executor.quantization import Int4Weight, Int8Weight, Q4Weight, Q8Weight
 from services.executor.tp_group import TPGroup
@@ -63,12 +64,15 @@ class Linear(nn.Linear):
 
     int4: Int4Weight | Q4Weight | None = None
     _out: Tensor | None = None  # step_forward's buffer, [REUSED_ROWS, out_features] float32
+    tile_rows: int = 0  # --deterministic: dense calls this many rows at a time (services.executor.deterministic)
 
     def forward(self, x: Tensor) -> Tensor:
         q, bias = self.int4, self._parameters["bias"]  # (not through Module.__getattr__: 120 calls a step)
         if q is not None and x.shape[0] <= q.max_rows:
             y = q.matmul(x)
             return y if bias is None else y + bias
+        if self.tile_rows:
+            return tiled_linear(x, self.weight, bias, self.tile_rows)
         return F.linear(x, self.weight, bias)
 
     def step_forward(self, x: Tensor) -> Tensor:
@@ -296,6 +300,7 @@ class LlamaForCausalLM(nn.Module):
         self._cos_sin: Tensor | None = None
         self._layer_calls: list[LayerCalls] | None = None
         self.head_int8: Int8Weight | Q8Weight | None = None  # see services.executor.quantization
+        self.head_tile_rows = 0  # as Linear.tile_rows
 
     def cos_sin(self, dtype: torch.dtype) -> Tensor:
         if self._cos_sin is None or self._cos_sin.device != self.rotary.inv_freq.device:
@@ -348,6 +353,8 @@ class LlamaForCausalLM(nn.Module):
         q = self.head_int8
         if q is not None and x.shape[0] <= q.max_rows:
             logits = q.matmul(x).float()
+        elif self.head_tile_rows:
+            logits = tiled_linear(x, self.head_weight(), None, self.head_tile_rows).float()
         else:
             logits = F.linear(x, self.head_weight()).float()
         if self.tp.size == 1:
