@@ -32,8 +32,10 @@ def runner(tmp_path_factory):
     return ModelRunner(path, dtype="float32", block_size=BLOCK, num_kv_blocks=96, quantization="none")
 
 
-def generate(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams, k: int) -> tuple[dict, Scheduler]:
-    """Every prompt's output, scheduled and run as the two stages do (sampling state sent once)."""
+def generate(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams, k: int,
+             logprobs: dict | None = None) -> tuple[dict, Scheduler]:
+    """Every prompt's output, scheduled and run as the two stages do (sampling state sent once);
+    each delta's logprobs go to `logprobs` by request when given."""
     spec = SpeculativeConfig("ngram", k, 1, 4, disable_batch_size=8) if k else SpeculativeConfig()
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_model_len=256, vocab_size=runner.vocab_size,
                                       speculative=spec), BlockManager(runner.num_kv_blocks, BLOCK))
@@ -50,6 +52,8 @@ def generate(runner: ModelRunner, prompts: list[list[int]], params: SamplingPara
         for req, delta in sched.process_results(chunks, result.sampled, result.top_logprobs, result.logprobs,
                                                 result.prompt_logprobs, result.embeddings, result.num_accepted):
             outputs.setdefault(req.request_id, []).extend(delta.token_ids)
+            if logprobs is not None:
+                logprobs.setdefault(req.request_id, []).extend(delta.logprobs)
         sched.check_invariants(at_rest=True)
     return outputs, sched
 
@@ -109,3 +113,20 @@ def test_verification_keeps_the_target_distribution():
     assert chi2 < 20.52, (counts, expected)
     rate, p_d = accepted / trials, float(p[draft])
     assert abs(rate - p_d) < 4.5 * math.sqrt(p_d * (1 - p_d) / trials)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_under_deterministic_speculation_changes_no_bit_of_tokens_or_logprobs(tmp_path, quantization):
+    """--deterministic makes a step's rows batch- and chunk-invariant, so verifying 1 + k positions
+    in one step computes each exactly as a lone decode step: speculative greedy output equals
+    plain greedy output token for token, and so do the logprobs, bit for bit."""
+    make_model(tmp_path, "tied")
+    runner = ModelRunner(tmp_path, dtype="float32", block_size=BLOCK, num_kv_blocks=96, quantization=quantization,
+                         deterministic=True)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=3)
+    plain_lp: dict = {}
+    spec_lp: dict = {}
+    plain, _ = generate(runner, PROMPTS, params, 0, plain_lp)
+    spec, sched = generate(runner, PROMPTS, params, 4, spec_lp)
+    assert spec == plain and sched.stats().spec_decode_num_accepted_tokens_total > 0
+    assert spec_lp == plain_lp and all(len(spec_lp[r]) == len(plain[r]) for r in plain)
