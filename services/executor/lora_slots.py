@@ -4,7 +4,9 @@ device, filled from a host LRU of `max_cpu_loras` loaded adapters.
 The scheduler assigns the slots (`services.scheduler.lora_slots`) and every step names the
 adapter of each slot its rows use (`ExecuteStep.lora_slots`); `prepare` makes the slots hold
 them (from the LRU, else from disk) and groups the step's token rows by slot
-(`kernels.lora.row_groups`) into a `LoraBatch` the model adds the deltas of. An adapter that
+(`kernels.lora.row_groups`) into a `LoraBatch` the model adds the deltas of. The slots'
+weights are also kept stacked (`lora_stack`), rebuilt when a slot changes, for steps that
+mix adapters or scatter their rows. An adapter that
 fails to load fails its rows alone (`LoraBatch.failed`, 400 naming it); those rows run as
 the base model meanwhile and their output is dropped. On the CPU a slot shares the host
 copy's tensors (no copy).
@@ -14,29 +16,18 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 
-from kernels.lora import Rows, row_groups
+from kernels.lora import row_groups
+from services.executor.lora_batch import LoraBatch
+from services.executor.lora_stack import StackedSlots
 from services.executor.lora_weights import LayerLora, LoraLoadError, LoraWeights, load_lora
 from shared.lora_files import BaseShapes
 from shared.lora_options import LoraOptions
 from shared.messages import ExecuteStep
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoraBatch:
-    """One step's rows under adapters: (rows, that adapter's weights) per slot used, and the
-    rows (indices in step.seqs) whose adapter could not be loaded, with why."""
-
-    groups: list[tuple[Rows, LoraWeights]]
-    failed: dict[int, str] = field(default_factory=dict)
-
-    def layer(self, index: int) -> list[tuple[Rows, LayerLora]] | None:
-        return [(rows, weights.layers[index]) for rows, weights in self.groups] or None
 
 
 class ExecutorLoras:
@@ -46,6 +37,7 @@ class ExecutorLoras:
         self.slots: list[LoraWeights | None] = [None] * options.max_loras
         self.host: OrderedDict[str, LoraWeights] = OrderedDict()  # digest -> weights (on the host)
         self.max_cpu_loras = options.max_cpu_loras or 4 * options.max_loras
+        self._stacked: StackedSlots | None = None  # None: to rebuild from the slots
 
     def prepare(self, step: ExecuteStep, query_lens: list[int]) -> LoraBatch | None:
         if not step.lora_slots:
@@ -65,7 +57,14 @@ class ExecutorLoras:
                 failed[i], slot = failed_slots[slot], -1
             token_slots += [slot] * n
         groups = [(rows, self.slots[slot]) for slot, rows in row_groups(token_slots, self.device)]
-        return LoraBatch(groups, failed)
+        batch = LoraBatch(groups, failed)
+        # one contiguous group is two matmuls on a slice already: only mixed or scattered rows gain
+        if len(groups) > 1 or (groups and not isinstance(groups[0][0], slice)):
+            if self._stacked is None:
+                self._stacked = StackedSlots(self.slots, self.device)
+            batch.stacked = self._stacked
+            batch.masks = self._stacked.layouts.masks(torch.tensor(token_slots, device=self.device), self.dtype)
+        return batch
 
     def _fill(self, slot: int, adapter) -> None:
         if not 0 <= slot < len(self.slots):
@@ -84,6 +83,7 @@ class ExecutorLoras:
             while len(self.host) > self.max_cpu_loras:
                 self.host.popitem(last=False)
         self.host.move_to_end(adapter.digest)
+        self._stacked = None
         self.slots[slot] = weights if self.device.type == "cpu" else _to_device(weights, self.device)
 
 

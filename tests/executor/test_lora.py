@@ -1,7 +1,7 @@
 """LoRA in the executor: rows under PEFT adapters equal PEFT's merged model in transformers
 (greedy tokens, and logprobs within 1e-4), one step mixing 4 adapters and the base equals each
-sequence run alone, a slot's adapter is swapped when a step names another, and an adapter
-whose files went bad fails its rows alone."""
+sequence run alone (grouped, stacked and both), a slot's adapter is swapped when a step names
+another (the stacked slots with it), and an adapter whose files went bad fails its rows alone."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from services.executor import lora_stack
 from services.executor.model_runner import ModelRunner
 from shared.lora_files import read_adapter
 from shared.lora_options import LoraOptions
@@ -101,7 +102,10 @@ def test_adapters_change_the_output(base, adapters):
     assert len({tuple(v) for v in outs.values()}) > 2
 
 
-def test_mixed_batch_equals_each_alone(base, adapters):
+@pytest.mark.parametrize("stacked_fraction", [0.0, 0.5, 100.0], ids=["grouped", "mixed", "stacked"])
+def test_mixed_batch_equals_each_alone(base, adapters, stacked_fraction, monkeypatch):
+    """Whichever projections are stacked (kernels.lora_stacked) and which grouped."""
+    monkeypatch.setattr(lora_stack, "MAX_STACKED_FRACTION", stacked_fraction)
     r = runner(base)
     slots = {f"a{i}": 3 - i for i in range(4)}  # slots in another order than the rows
     names = ["a0", None, "a1", "a2", "a0", "a3", None, "a1"]
@@ -122,6 +126,16 @@ def test_slot_takes_another_adapter(base, adapters):
     third, _ = generate(r, [(prompt, adapters["a0"])], {"a0": 0})  # back from disk (the LRU holds one)
     assert first[0] == third[0] == reference(base, adapters["a0"], prompt)[0]
     assert second[0] == reference(base, adapters["a3"], prompt)[0]
+
+
+def test_stacked_slots_follow_a_slot_change(base, adapters):
+    r = runner(base)
+    p = prompts(10, [7, 12, 5])
+    generate(r, [(p[0], adapters["a0"]), (p[1], adapters["a1"])], {"a0": 0, "a1": 1})
+    jobs = [(p[0], adapters["a3"]), (p[1], adapters["a1"]), (p[2], None)]  # slot 0 now holds a3
+    got, _ = generate(r, jobs, {"a3": 0, "a1": 1})
+    assert got == generate(runner(base), jobs, {"a3": 0, "a1": 1})[0]
+    assert got[0] == reference(base, adapters["a3"], p[0])[0]
 
 
 def test_changed_files_fail_their_rows_alone(base, adapters, tmp_path):

@@ -7,7 +7,9 @@ CPU wants); the elementwise work between matmuls runs as the backend's fused ops
 (residual add + RMSNorm, RoPE + KV cache write, SiLU-and-mul: one pass each in the
 C++ CPU backend, plain torch in the reference); logits are computed only for the rows
 that get sampled. Rows under LoRA adapters (`meta.lora`, `services.executor.lora_slots`) get
-their adapter's low-rank delta added to each projection's output (`kernels.lora.add_lora`). Every per-step input comes from a `BatchMetadata`; attention and
+their adapter's low-rank delta added to each projection's output
+(`services.executor.lora_batch.LayerDeltas`). Every per-step input comes from a
+`BatchMetadata`; attention and
 the fused ops go through an `AttentionBackend`.
 
 The modules hold the weights (loading, quantization and sharding address them by
@@ -37,9 +39,9 @@ from torch import Tensor, nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.attention import AttentionBackend
-from kernels.lora import add_lora
 from services.executor.batch import BatchMetadata
 from services.executor.deterministic import tiled_linear
+from services.executor.lora_batch import LayerDeltas
 from services.executor.models.sharding import ModelShard
 from services.executor.quantization import Int4Weight, Int8Weight, Q4Weight, Q8Weight
 from services.executor.tp_group import TPGroup
@@ -224,9 +226,9 @@ class LayerCalls(NamedTuple):
 
 def decoder_layer(ops: AttentionBackend, tp: TPGroup, layer: LayerCalls, x: Tensor, residual: Tensor | None,
                   cos_sin: Tensor, meta: BatchMetadata, k_cache: Tensor, v_cache: Tensor,
-                  lora: list | None = None) -> tuple[Tensor, Tensor]:
+                  lora: LayerDeltas | None = None) -> tuple[Tensor, Tensor]:
     """One decoder layer: (mlp output, residual stream before it); the next layer adds the two
-    in its first fused norm. lora: this layer's (rows, LayerLora) per adapter of the step."""
+    in its first fused norm. lora: this layer's LoRA deltas of the step."""
     if lora is not None:
         return _lora_decoder_layer(ops, tp, layer, x, residual, cos_sin, meta, k_cache, v_cache, lora)
     if residual is None:
@@ -244,27 +246,27 @@ def decoder_layer(ops: AttentionBackend, tp: TPGroup, layer: LayerCalls, x: Tens
 
 def _lora_decoder_layer(ops: AttentionBackend, tp: TPGroup, layer: LayerCalls, x: Tensor, residual: Tensor | None,
                         cos_sin: Tensor, meta: BatchMetadata, k_cache: Tensor, v_cache: Tensor,
-                        lora: list) -> tuple[Tensor, Tensor]:
+                        lora: LayerDeltas) -> tuple[Tensor, Tensor]:
     """`decoder_layer` with each projection's LoRA deltas added to its rows (no tensor parallelism)."""
     if residual is None:
         x, residual = ops.rms_norm(x, layer.input_norm, layer.input_eps), x
     else:
         x, residual = ops.fused_add_rms_norm(x, residual, layer.input_norm, layer.input_eps)
     qkv = layer.qkv_proj(x)
-    add_lora(x, qkv, [(rows, adapter.qkv) for rows, adapter in lora])
+    lora.add(0, x, qkv)
     q = ops.rope_and_cache(qkv, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
                            layer.num_heads, layer.num_kv_heads)
     out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
                               layer.scale, layer.sliding_window)
     attn = out.view(x.shape[0], -1)
     x = layer.o_proj(attn)
-    add_lora(attn, x, [(rows, adapter.o) for rows, adapter in lora])
+    lora.add(1, attn, x)
     x, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, layer.post_eps)
     gate_up = layer.gate_up_proj(x)
-    add_lora(x, gate_up, [(rows, adapter.gate_up) for rows, adapter in lora])
+    lora.add(2, x, gate_up)
     act = ops.silu_and_mul(gate_up)
     down = layer.down_proj(act)
-    add_lora(act, down, [(rows, adapter.down) for rows, adapter in lora])
+    lora.add(3, act, down)
     return down, residual
 
 

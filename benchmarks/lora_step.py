@@ -1,0 +1,88 @@
+"""Multi-LoRA decode steps in process: the time of one `ModelRunner.compute_logits` decode step
+of m rows (their adapters prepared, the forward pass, no sampling) under the base model alone
+and under k distinct adapters of rank r, the i-th row under adapter i mod k (as the
+scheduler interleaves them). No server, no scheduler: this isolates the executor's cost.
+
+    .venv/bin/python -m benchmarks.lora_step [--model smollm2] [--rows 16,64] [--cases 1x8,4x8,16x8,4x64]
+
+Each case alternates with a base step, round after round, so a burst of load from another
+process slows both alike; printed: median ms of each and their ratio (base / LoRA: the
+share of the base model's throughput a LoRA step keeps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.lora import write_adapter
+from services.executor.model_runner import ModelRunner
+from services.executor.step_calibration import decode_step
+from shared.lora_files import BaseShapes, read_adapter
+from shared.lora_options import LoraOptions
+from shared.messages import ExecuteStep, LoraAdapter
+from shared.model_files import default_served_name, resolve_model
+
+
+def lora_step(step: ExecuteStep, adapters: list[LoraAdapter]) -> ExecuteStep:
+    seqs = [s.__class__(**{**{f: getattr(s, f) for f in s.__struct_fields__}, "lora_slot": i % len(adapters)})
+            for i, s in enumerate(step.seqs)]
+    used = sorted({i % len(adapters) for i in range(len(seqs))})
+    return ExecuteStep(step_id=step.step_id, seqs=seqs, lora_slots=[(i, adapters[i]) for i in used])
+
+
+def step_ms(runner: ModelRunner, step: ExecuteStep) -> float:
+    start = time.perf_counter()
+    runner.compute_logits(step)
+    return (time.perf_counter() - start) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--rows", default="16,64")
+    p.add_argument("--cases", default="1x8,4x8,16x8,4x64", help="adapters x rank, comma separated")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=15)
+    args = p.parse_args()
+    from transformers import AutoConfig
+
+    model_dir = resolve_model(args.model)
+    config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    base = BaseShapes.of_config(config)
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+    runner = ModelRunner(model_dir, lora_options=LoraOptions(max_loras=max(k for k, _ in cases),
+                                                             max_lora_rank=max(r for _, r in cases)))
+    with tempfile.TemporaryDirectory(prefix="lora-step-") as tmp:
+        adapters: dict[tuple[int, int], list[LoraAdapter]] = {}
+        for k, rank in cases:
+            adapters[k, rank] = []
+            for i in range(k):
+                path = Path(tmp) / f"r{rank}-{i}"
+                if not path.exists():
+                    write_adapter(path, base, rank, i, default_served_name(args.model))
+                adapters[k, rank].append(LoraAdapter(path.name, str(path), read_adapter(path).digest))
+        print(f"{args.model} ({runner.dtype}): decode step ms, median of {args.rounds} (base / LoRA ratio)")
+        for rows in (int(r) for r in args.rows.split(",")):
+            base_step = decode_step(rows, args.context, runner.block_size, runner.num_kv_blocks)
+            for k, rank in cases:
+                step = lora_step(base_step, adapters[k, rank])
+                for _ in range(2):  # load the slots, warm both paths
+                    step_ms(runner, base_step), step_ms(runner, step)
+                times: dict[str, list[float]] = {"base": [], "lora": []}
+                for _ in range(args.rounds):
+                    times["base"].append(step_ms(runner, base_step))
+                    times["lora"].append(step_ms(runner, step))
+                b, lo = statistics.median(times["base"]), statistics.median(times["lora"])
+                print(f"m={rows:3d} {k:2d} adapters rank {rank:2d}: base {b:7.2f} ms, LoRA {lo:7.2f} ms "
+                      f"({b / lo:.2f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

@@ -1,0 +1,48 @@
+"""One step's LoRA deltas, as the model adds them: `LoraBatch` holds the step's row groups by
+slot and, where the executor has one, its stacked table and the step's masks;
+`LoraBatch.layer(i)` gives layer i's `LayerDeltas`, whose `add(proj, x, out)` adds the
+deltas of one fused projection (0 q/k/v, 1 o, 2 gate/up, 3 down: `LayerLora`'s order) by
+the stacked form where that projection is stacked and the step mixes adapters or
+scatters their rows, else by the grouped form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from torch import Tensor
+
+from kernels.lora import Rows, add_lora
+from kernels.lora_stacked import add_lora_stacked
+from services.executor.lora_stack import StackedSlots
+from services.executor.lora_weights import LoraWeights
+
+
+@dataclass
+class LoraBatch:
+    """One step's rows under adapters: (rows, that adapter's weights) per slot used, the
+    stacked table and its masks for this step's rows (None: grouped only), and the rows
+    (indices in step.seqs) whose adapter could not be loaded, with why."""
+
+    groups: list[tuple[Rows, LoraWeights]]
+    failed: dict[int, str] = field(default_factory=dict)
+    stacked: StackedSlots | None = None
+    masks: list[Tensor] | None = None
+
+    def layer(self, index: int) -> LayerDeltas | None:
+        return LayerDeltas(self, index) if self.groups else None
+
+
+class LayerDeltas(NamedTuple):
+    batch: LoraBatch
+    index: int
+
+    def add(self, proj: int, x: Tensor, out: Tensor) -> None:
+        batch = self.batch
+        if batch.masks is not None:
+            target = batch.stacked.layers[self.index][proj]
+            if target is not None:
+                add_lora_stacked(x, out, target, batch.masks[target.layout])
+                return
+        add_lora(x, out, [(rows, weights.layers[self.index][proj]) for rows, weights in batch.groups])

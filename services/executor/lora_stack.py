@@ -1,0 +1,35 @@
+"""The executor's stacked LoRA table: per decoder layer and fused projection, the resident
+slots' targets side by side (`kernels.lora_stacked`), rebuilt only when a slot changes.
+
+A projection is stacked only while the slots' ranks on it sum to at most
+`MAX_STACKED_FRACTION` of its in_features: past that the stacked matmuls' wasted
+columns (each row multiplies every slot's) cost more than the grouped form's per-group
+ops; such a projection keeps the grouped form (`kernels.lora.add_lora`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.lora_stacked import StackedLayouts, StackedTarget, stack_targets
+from services.executor.lora_weights import LoraWeights
+
+# measured on SmolLM2 (in_features 576 and 1536), bfloat16 on a 2-core AMX Xeon: see the
+# README's LoRA section
+MAX_STACKED_FRACTION = 0.5
+
+
+class StackedSlots:
+    def __init__(self, slots: list[LoraWeights | None], device: torch.device | str):
+        self.layouts = StackedLayouts(device)
+        self.layers: list[list[StackedTarget | None]] = []
+        resident = [(slot, w) for slot, w in enumerate(slots) if w is not None]
+        num_layers = len(resident[0][1].layers) if resident else 0
+        for i in range(num_layers):
+            row = []
+            for proj in range(4):
+                targets = [(slot, w.layers[i][proj]) for slot, w in resident if w.layers[i][proj] is not None]
+                rank = sum(t.a.shape[0] for _, t in targets)
+                fits = targets and rank <= MAX_STACKED_FRACTION * targets[0][1].a.shape[1]
+                row.append(stack_targets(targets, self.layouts) if fits else None)
+            self.layers.append(row)
