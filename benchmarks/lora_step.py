@@ -4,10 +4,14 @@ and under k distinct adapters of rank r, the i-th row under adapter i mod k (as 
 scheduler interleaves them). No server, no scheduler: this isolates the executor's cost.
 
     .venv/bin/python -m benchmarks.lora_step [--model smollm2] [--rows 16,64] [--cases 1x8,4x8,16x8,4x64]
+                                             [--forms grouped,auto]
 
-Each case alternates with a base step, round after round, so a burst of load from another
-process slows both alike; printed: median ms of each and their ratio (base / LoRA: the
-share of the base model's throughput a LoRA step keeps).
+Forms: `grouped` runs every projection by `kernels.lora.add_lora` (per adapter group),
+`stacked` by `kernels.lora_stacked` wherever it has targets, `auto` as the executor
+chooses (`services.executor.lora_stack.MAX_STACKED_FRACTION`). Each case's forms alternate
+with a base step, round after round, so a burst of load from another process slows all
+alike; printed: median ms of each and their ratio (base / LoRA: the share of the base
+model's throughput a LoRA step keeps).
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 
 from benchmarks.lora import write_adapter
+from services.executor import lora_stack
 from services.executor.model_runner import ModelRunner
 from services.executor.step_calibration import decode_step
 from shared.lora_files import BaseShapes, read_adapter
@@ -30,8 +36,7 @@ from shared.model_files import default_served_name, resolve_model
 
 
 def lora_step(step: ExecuteStep, adapters: list[LoraAdapter]) -> ExecuteStep:
-    seqs = [s.__class__(**{**{f: getattr(s, f) for f in s.__struct_fields__}, "lora_slot": i % len(adapters)})
-            for i, s in enumerate(step.seqs)]
+    seqs = [msgspec.structs.replace(s, lora_slot=i % len(adapters)) for i, s in enumerate(step.seqs)]
     used = sorted({i % len(adapters) for i in range(len(seqs))})
     return ExecuteStep(step_id=step.step_id, seqs=seqs, lora_slots=[(i, adapters[i]) for i in used])
 
@@ -42,6 +47,14 @@ def step_ms(runner: ModelRunner, step: ExecuteStep) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+FRACTIONS = {"grouped": 0.0, "stacked": float("inf"), "auto": lora_stack.MAX_STACKED_FRACTION}
+
+
+def use_form(runner: ModelRunner, form: str) -> None:
+    lora_stack.MAX_STACKED_FRACTION = FRACTIONS[form]
+    runner.loras._stacked = None  # rebuilt by the next step under the new limit
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -49,6 +62,7 @@ def main() -> None:
     p.add_argument("--cases", default="1x8,4x8,16x8,4x64", help="adapters x rank, comma separated")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--forms", default="grouped,auto")
     args = p.parse_args()
     from transformers import AutoConfig
 
@@ -72,15 +86,17 @@ def main() -> None:
             base_step = decode_step(rows, args.context, runner.block_size, runner.num_kv_blocks)
             for k, rank in cases:
                 step = lora_step(base_step, adapters[k, rank])
-                for _ in range(2):  # load the slots, warm both paths
-                    step_ms(runner, base_step), step_ms(runner, step)
-                times: dict[str, list[float]] = {"base": [], "lora": []}
-                for _ in range(args.rounds):
+                forms = args.forms.split(",")
+                times: dict[str, list[float]] = {"base": [], **{f: [] for f in forms}}
+                for _ in range(args.rounds + 2):  # the first two load the slots and warm up
                     times["base"].append(step_ms(runner, base_step))
-                    times["lora"].append(step_ms(runner, step))
-                b, lo = statistics.median(times["base"]), statistics.median(times["lora"])
-                print(f"m={rows:3d} {k:2d} adapters rank {rank:2d}: base {b:7.2f} ms, LoRA {lo:7.2f} ms "
-                      f"({b / lo:.2f}x)", flush=True)
+                    for form in forms:
+                        use_form(runner, form)
+                        step_ms(runner, step)  # rebuilds the stacked slots
+                        times[form].append(step_ms(runner, step))
+                med = {form: statistics.median(t[2:]) for form, t in times.items()}
+                print(f"m={rows:3d} {k:2d} adapters rank {rank:2d}: base {med['base']:7.2f} ms, "
+                      + ", ".join(f"{f} {med[f]:7.2f} ms ({med['base'] / med[f]:.2f}x)" for f in forms), flush=True)
 
 
 if __name__ == "__main__":

@@ -61,9 +61,10 @@ class ExecutorLoras:
         # one contiguous group is two matmuls on a slice already: only mixed or scattered rows gain
         if len(groups) > 1 or (groups and not isinstance(groups[0][0], slice)):
             if self._stacked is None:
-                self._stacked = StackedSlots(self.slots, self.device)
+                self._stacked = StackedSlots(self.slots, self.device, self.dtype)
             batch.stacked = self._stacked
-            batch.masks = self._stacked.layouts.masks(torch.tensor(token_slots, device=self.device), self.dtype)
+            batch.masks = self._stacked.layouts.masks(torch.tensor(token_slots, device=self.device),
+                                                     self._stacked.dtype)
         return batch
 
     def _fill(self, slot: int, adapter) -> None:

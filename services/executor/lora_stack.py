@@ -20,7 +20,9 @@ MAX_STACKED_FRACTION = 0.5
 
 
 class StackedSlots:
-    def __init__(self, slots: list[LoraWeights | None], device: torch.device | str):
+    def __init__(self, slots: list[LoraWeights | None], device: torch.device, dtype: torch.dtype):
+        # float32 on the CPU (see kernels.lora_stacked), the model's dtype on an accelerator
+        self.dtype = torch.float32 if device.type == "cpu" else dtype
         self.layouts = StackedLayouts(device)
         self.layers: list[list[StackedTarget | None]] = []
         resident = [(slot, w) for slot, w in enumerate(slots) if w is not None]
@@ -30,6 +32,6 @@ class StackedSlots:
             for proj in range(4):
                 targets = [(slot, w.layers[i][proj]) for slot, w in resident if w.layers[i][proj] is not None]
                 rank = sum(t.a.shape[0] for _, t in targets)
-                fits = targets and rank <= MAX_STACKED_FRACTION * targets[0][1].a.shape[1]
-                row.append(stack_targets(targets, self.layouts) if fits else None)
+                fits = bool(targets) and rank <= MAX_STACKED_FRACTION * targets[0][1].a.shape[1]
+                row.append(stack_targets(targets, self.layouts, self.dtype) if fits else None)
             self.layers.append(row)

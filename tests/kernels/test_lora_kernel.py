@@ -54,13 +54,15 @@ def test_grouped_equals_reference_on_ragged_groups(seed, dtype, tol):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("stacked_dtype", [None, torch.float32], ids=["same", "float32"])
 @pytest.mark.parametrize("seed", range(6))
-def test_stacked_equals_reference_on_ragged_groups(seed, dtype, tol):
+def test_stacked_equals_reference_on_ragged_groups(seed, dtype, tol, stacked_dtype):
     x, base, targets, row_slots = ragged_case(seed, dtype)
     layouts = StackedLayouts()
     # every resident slot stacked (the rows use only some), in an order other than the slots'
-    stacked = stack_targets([(s, t) for s, t in reversed(list(enumerate(targets))) if t is not None], layouts)
-    masks = layouts.masks(torch.tensor(row_slots), dtype)
+    stacked = stack_targets([(s, t) for s, t in reversed(list(enumerate(targets))) if t is not None], layouts,
+                            stacked_dtype)
+    masks = layouts.masks(torch.tensor(row_slots), stacked.at.dtype)
     got, want = base.clone(), base.clone()
     add_lora_stacked(x, got, stacked, masks[stacked.layout])
     add_lora_reference(x, want, [None if s < 0 else targets[s] for s in row_slots])
