@@ -1,7 +1,7 @@
 """Multi-LoRA throughput: output tokens/s of one server at concurrency 16 and 64, its requests
 spread over 0 (the base model alone), 1, 4 and 16 distinct LoRA adapters of rank 8 and 64.
 
-    .venv/bin/python -m benchmarks.lora [--model smollm2] [--concurrency 16,64] [--adapters 0,1,4,16]
+    .venv/bin/python -m benchmarks.lora [--model smollm2] [--concurrency 16,64] [--adapters 0,1,4,16] [--ranks 8,64]
 
 One `pagedserve serve` (--max-loras 16, --max-lora-rank 64) holds every adapter from the
 start (--lora-modules): PEFT directories written here with random A and B on every q/k/v/o
@@ -76,6 +76,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--concurrency", default="16,64")
     p.add_argument("--adapters", default="0,1,4,16")
+    p.add_argument("--ranks", default="8,64")
     p.add_argument("--requests-per-client", type=int, default=2)
     args = p.parse_args()
     from transformers import AutoConfig
@@ -101,7 +102,7 @@ def main() -> None:
                 base_tps = asyncio.run(run(server.url, [served], concurrency, args.requests_per_client,
                                            config.vocab_size, 1))
                 print(f"C={concurrency:3d} base model          {base_tps:8.1f} tok/s", flush=True)
-                for rank in RANKS:
+                for rank in (int(r) for r in args.ranks.split(",")):
                     for n in (n for n in counts if n):
                         tps = asyncio.run(run(server.url, names[rank][:n], concurrency, args.requests_per_client,
                                               config.vocab_size, 1))

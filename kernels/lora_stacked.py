@@ -10,10 +10,8 @@ and B_cat [out, R], and a step runs
     s = x @ A_cat^T;  s *= mask;  out += s @ B_cat^T
 
 where mask [rows, R] is 1 where a column belongs to the row's own slot (0 for base rows),
-so each row gets only its adapter's delta, whatever the number of adapters. On the CPU
-the stacked copies are float32, pre-transposed: a bfloat16 matmul of these shapes (16 rows,
-ranks in the tens) costs ~25 us of oneDNN overhead where float32's costs 5-15 us, and
-the casts of x and of the delta cost ~2 us each. It spends
+so each row gets only its adapter's delta, whatever the number of adapters. The copies
+are kept transposed ([in, R] and [R, out], contiguous), so both are plain matmuls. It spends
 R / r times the grouped form's flops, which is cheap while R is small beside the
 projection's in_features (`services.executor.lora_stack` decides when); masks depend only on
 the step's rows and the columns' slots, so one per distinct column layout serves every

@@ -3,8 +3,10 @@ slots' targets side by side (`kernels.lora_stacked`), rebuilt only when a slot c
 
 A projection is stacked only while the slots' ranks on it sum to at most
 `MAX_STACKED_FRACTION` of its in_features: past that the stacked matmuls' wasted
-columns (each row multiplies every slot's) cost more than the grouped form's per-group
-ops; such a projection keeps the grouped form (`kernels.lora.add_lora`).
+columns (each row multiplies every slot's) would cost more than the grouped form's
+per-group ops; such a projection keeps the grouped form (`kernels.lora.add_lora`). The
+stacked copies are in the model's dtype (on the CPU float32 copies were no faster in a
+step for bfloat16 models, and twice the memory).
 """
 
 from __future__ import annotations
@@ -14,15 +16,15 @@ import torch
 from kernels.lora_stacked import StackedLayouts, StackedTarget, stack_targets
 from services.executor.lora_weights import LoraWeights
 
-# measured on SmolLM2 (in_features 576 and 1536), bfloat16 on a 2-core AMX Xeon: see the
-# README's LoRA section
-MAX_STACKED_FRACTION = 0.5
+# measured on SmolLM2 (in_features 576 and 1536) in bfloat16 on a 2-core AMX Xeon: stacking
+# every projection beat the grouped form up to 4 adapters of rank 64 (q/k/v: R = 768 for
+# in_features 576) and 16 of rank 8 (benchmarks/lora_step.py, the README's LoRA section)
+MAX_STACKED_FRACTION = 2.0
 
 
 class StackedSlots:
-    def __init__(self, slots: list[LoraWeights | None], device: torch.device, dtype: torch.dtype):
-        # float32 on the CPU (see kernels.lora_stacked), the model's dtype on an accelerator
-        self.dtype = torch.float32 if device.type == "cpu" else dtype
+    def __init__(self, slots: list[LoraWeights | None], device: torch.device | str, dtype: torch.dtype):
+        self.dtype = dtype
         self.layouts = StackedLayouts(device)
         self.layers: list[list[StackedTarget | None]] = []
         resident = [(slot, w) for slot, w in enumerate(slots) if w is not None]
