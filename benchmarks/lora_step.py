@@ -4,11 +4,11 @@ and under k distinct adapters of rank r, the i-th row under adapter i mod k (as 
 scheduler interleaves them). No server, no scheduler: this isolates the executor's cost.
 
     .venv/bin/python -m benchmarks.lora_step [--model smollm2] [--rows 16,64] [--cases 1x8,4x8,16x8,4x64]
-                                             [--forms grouped,auto]
+                                             [--forms grouped,torch,auto]
 
-Forms: `grouped` runs every projection by `kernels.lora.add_lora` (per adapter group),
-`stacked` by `kernels.lora_stacked` wherever it has targets, `auto` as the executor
-chooses (`services.executor.lora_stack.MAX_STACKED_FRACTION`). Each case's forms alternate
+Forms: `grouped` runs every projection by `kernels.lora.add_lora` (per adapter group, the
+form before stacking), `torch` by `kernels.lora_stacked`'s torch form where the executor
+stacks, `auto` as the executor does (the C++ kernel where built). Each case's forms alternate
 with a base step, round after round, so a burst of load from another process slows all
 alike; printed: median ms of each and their ratio (base / LoRA: the share of the base
 model's throughput a LoRA step keeps).
@@ -47,13 +47,15 @@ def step_ms(runner: ModelRunner, step: ExecuteStep) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-FRACTIONS = {"grouped": 0.0, "stacked": float("inf"), "auto": lora_stack.MAX_STACKED_FRACTION}
+# form: (MAX_STACKED_FRACTION, USE_CPU_KERNEL)
+FORMS = {"grouped": (0.0, False), "torch": (lora_stack.MAX_STACKED_FRACTION, False),
+         "auto": (lora_stack.MAX_STACKED_FRACTION, lora_stack.USE_CPU_KERNEL)}
 
 
 def use_form(runner: ModelRunner, form: str, tables: dict) -> None:
     """Each form's stacked slots, built once per case (a step right after a rebuild runs on cold
     memory)."""
-    lora_stack.MAX_STACKED_FRACTION = FRACTIONS[form]
+    lora_stack.MAX_STACKED_FRACTION, lora_stack.USE_CPU_KERNEL = FORMS[form]
     runner.loras._stacked = tables.get(form)
     if runner.loras._stacked is None:
         runner.loras._stacked = tables[form] = lora_stack.StackedSlots(runner.loras.slots, runner.device,
@@ -67,7 +69,7 @@ def main() -> None:
     p.add_argument("--cases", default="1x8,4x8,16x8,4x64", help="adapters x rank, comma separated")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--forms", default="grouped,auto")
+    p.add_argument("--forms", default="grouped,torch,auto")
     args = p.parse_args()
     from transformers import AutoConfig
 

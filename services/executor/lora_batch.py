@@ -3,7 +3,8 @@ slot and, where the executor has one, its stacked table and the step's masks;
 `LoraBatch.layer(i)` gives layer i's `LayerDeltas`, whose `add(proj, x, out)` adds the
 deltas of one fused projection (0 q/k/v, 1 o, 2 gate/up, 3 down: `LayerLora`'s order) by
 the stacked form where that projection is stacked and the step mixes adapters or
-scatters their rows, else by the grouped form.
+scatters their rows (on the CPU by the C++ kernel where it is built), else by the grouped
+form.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import NamedTuple
 from torch import Tensor
 
 from kernels.lora import Rows, add_lora
-from kernels.lora_stacked import add_lora_stacked
+from kernels.lora_stacked import add_lora_stacked, add_lora_stacked_cpu
 from services.executor.lora_stack import StackedSlots
 from services.executor.lora_weights import LoraWeights
 
@@ -28,7 +29,8 @@ class LoraBatch:
     groups: list[tuple[Rows, LoraWeights]]
     failed: dict[int, str] = field(default_factory=dict)
     stacked: StackedSlots | None = None
-    masks: list[Tensor] | None = None
+    masks: list[Tensor] | None = None  # per layout, for the torch form
+    cols: list[Tensor] | None = None  # per layout, for the C++ kernel
 
     def layer(self, index: int) -> LayerDeltas | None:
         return LayerDeltas(self, index) if self.groups else None
@@ -40,9 +42,12 @@ class LayerDeltas(NamedTuple):
 
     def add(self, proj: int, x: Tensor, out: Tensor) -> None:
         batch = self.batch
-        if batch.masks is not None:
+        if batch.stacked is not None:
             target = batch.stacked.layers[self.index][proj]
             if target is not None:
-                add_lora_stacked(x, out, target, batch.masks[target.layout])
+                if batch.cols is not None:
+                    add_lora_stacked_cpu(x, out, target, batch.cols[target.layout])
+                else:
+                    add_lora_stacked(x, out, target, batch.masks[target.layout])
                 return
         add_lora(x, out, [(rows, weights.layers[self.index][proj]) for rows, weights in batch.groups])

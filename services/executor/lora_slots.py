@@ -62,9 +62,11 @@ class ExecutorLoras:
         if len(groups) > 1 or (groups and not isinstance(groups[0][0], slice)):
             if self._stacked is None:
                 self._stacked = StackedSlots(self.slots, self.device, self.dtype)
-            batch.stacked = self._stacked
-            batch.masks = self._stacked.layouts.masks(torch.tensor(token_slots, device=self.device),
-                                                     self._stacked.dtype)
+            batch.stacked = stacked = self._stacked
+            if stacked.use_kernel:
+                batch.cols = stacked.layouts.row_cols(token_slots)
+            else:
+                batch.masks = stacked.layouts.masks(torch.tensor(token_slots, device=self.device), stacked.dtype)
         return batch
 
     def _fill(self, slot: int, adapter) -> None:

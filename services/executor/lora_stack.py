@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lora_stacked import StackedLayouts, StackedTarget, stack_targets
+from kernels.lora_stacked import StackedLayouts, StackedTarget, cpu_kernel, stack_targets
 from services.executor.lora_weights import LoraWeights
 
 # measured on SmolLM2 (in_features 576 and 1536) in bfloat16 on a 2-core AMX Xeon: stacking
 # every projection beat the grouped form up to 4 adapters of rank 64 (q/k/v: R = 768 for
 # in_features 576) and 16 of rank 8 (benchmarks/lora_step.py, the README's LoRA section)
 MAX_STACKED_FRACTION = 2.0
+USE_CPU_KERNEL = True  # False: the torch form on the CPU too (benchmarks/lora_step.py compares them)
 
 
 class StackedSlots:
-    def __init__(self, slots: list[LoraWeights | None], device: torch.device | str, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, slots: list[LoraWeights | None], device: torch.device, dtype: torch.dtype):
+        # the C++ kernel takes float32 targets; the torch form runs fastest in the model's dtype
+        self.use_kernel = device.type == "cpu" and cpu_kernel() is not None and USE_CPU_KERNEL
+        self.dtype = torch.float32 if self.use_kernel else dtype
         self.layouts = StackedLayouts(device)
         self.layers: list[list[StackedTarget | None]] = []
         resident = [(slot, w) for slot, w in enumerate(slots) if w is not None]

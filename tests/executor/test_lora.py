@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from kernels.lora_stacked import cpu_kernel
 from services.executor import lora_stack
 from services.executor.model_runner import ModelRunner
 from shared.lora_files import read_adapter
@@ -102,10 +103,16 @@ def test_adapters_change_the_output(base, adapters):
     assert len({tuple(v) for v in outs.values()}) > 2
 
 
-@pytest.mark.parametrize("stacked_fraction", [0.0, 0.5, 100.0], ids=["grouped", "mixed", "stacked"])
-def test_mixed_batch_equals_each_alone(base, adapters, stacked_fraction, monkeypatch):
-    """Whichever projections are stacked (kernels.lora_stacked) and which grouped."""
+@pytest.mark.parametrize("stacked_fraction,kernel", [(0.0, False), (0.5, False), (100.0, False), (0.5, True),
+                                                     (100.0, True)],
+                         ids=["grouped", "mixed", "stacked", "mixed-kernel", "stacked-kernel"])
+def test_mixed_batch_equals_each_alone(base, adapters, stacked_fraction, kernel, monkeypatch):
+    """Whichever projections are stacked (kernels.lora_stacked, torch or the C++ kernel) and which
+    grouped."""
+    if kernel and cpu_kernel() is None:
+        pytest.skip("the C++ CPU kernels are not built")
     monkeypatch.setattr(lora_stack, "MAX_STACKED_FRACTION", stacked_fraction)
+    monkeypatch.setattr(lora_stack, "USE_CPU_KERNEL", kernel)
     r = runner(base)
     slots = {f"a{i}": 3 - i for i in range(4)}  # slots in another order than the rows
     names = ["a0", None, "a1", "a2", "a0", "a3", None, "a1"]

@@ -1,5 +1,5 @@
 """The segmented LoRA delta (`kernels.lora.add_lora`) and the stacked one
-(`kernels.lora_stacked.add_lora_stacked`) against their row-by-row reference on ragged
+(`kernels.lora_stacked`: torch, and the C++ kernel) against their row-by-row reference on ragged
 groups: scattered and contiguous rows, empty targets, base rows, float32 and bfloat16."""
 
 from __future__ import annotations
@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from kernels.lora import LoraTarget, add_lora, add_lora_reference, row_groups
-from kernels.lora_stacked import StackedLayouts, add_lora_stacked, stack_targets
+from kernels.lora_stacked import (
+    StackedLayouts,
+    add_lora_stacked,
+    add_lora_stacked_cpu,
+    cpu_kernel,
+    stack_targets,
+)
 
 
 def target(rank: int, fan_in: int, fan_out: int, seed: int, dtype) -> LoraTarget:
@@ -62,11 +68,28 @@ def test_stacked_equals_reference_on_ragged_groups(seed, dtype, tol, stacked_dty
     # every resident slot stacked (the rows use only some), in an order other than the slots'
     stacked = stack_targets([(s, t) for s, t in reversed(list(enumerate(targets))) if t is not None], layouts,
                             stacked_dtype)
-    masks = layouts.masks(torch.tensor(row_slots), stacked.at.dtype)
+    masks = layouts.masks(torch.tensor(row_slots), stacked.a.dtype)
     got, want = base.clone(), base.clone()
     add_lora_stacked(x, got, stacked, masks[stacked.layout])
     add_lora_reference(x, want, [None if s < 0 else targets[s] for s in row_slots])
     check(got, want, base, targets, row_slots, tol)
+
+
+@pytest.mark.skipif(cpu_kernel() is None, reason="the C++ CPU kernels are not built")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("seed", range(6))
+def test_cpu_kernel_equals_reference_on_ragged_groups(seed, dtype, tol):
+    x, base, targets, row_slots = ragged_case(seed, dtype)
+    layouts = StackedLayouts()
+    stacked = stack_targets([(s, t) for s, t in reversed(list(enumerate(targets))) if t is not None], layouts,
+                            torch.float32)
+    got, want = base.clone(), base.clone()
+    add_lora_stacked_cpu(x, got, stacked, layouts.row_cols(row_slots)[stacked.layout])
+    add_lora_reference(x, want, [None if s < 0 else targets[s] for s in row_slots])
+    check(got, want, base, targets, row_slots, tol)
+    strided = base.clone().t().contiguous().t()  # a non-contiguous out takes the same path through a copy
+    add_lora_stacked_cpu(x, strided, stacked, layouts.row_cols(row_slots)[stacked.layout])
+    assert torch.equal(strided, got)
 
 
 def test_layouts_are_shared_by_equal_column_slots():
@@ -75,6 +98,7 @@ def test_layouts_are_shared_by_equal_column_slots():
     assert layouts.index([(0, 1), (3, 2)]) == 1
     masks = layouts.masks(torch.tensor([3, -1, 0]), torch.float32)
     assert masks[0].tolist() == [[0, 0, 1], [0, 0, 0], [1, 1, 0]]
+    assert layouts.row_cols([3, -1, 0])[0].tolist() == [[2, 3], [0, 0], [0, 2]]
 
 
 def test_row_groups_use_slices_for_contiguous_rows():
