@@ -39,6 +39,11 @@ class StackedTarget:
     bt: Tensor  # [R, out_features]: their B (scaling folded in) matching a's rows, transposed
     layout: int  # index of this target's column slots in its `StackedLayouts`
 
+    @property
+    def for_kernel(self) -> bool:
+        """Float32 on the CPU: for `add_lora_stacked_cpu`."""
+        return self.a.dtype == torch.float32 and self.a.device.type == "cpu" and cpu_kernel() is not None
+
 
 class StackedLayouts:
     """The distinct column layouts (the slot of each of the R columns) of a stacked table."""

@@ -30,7 +30,7 @@ class LoraBatch:
     failed: dict[int, str] = field(default_factory=dict)
     stacked: StackedSlots | None = None
     masks: list[Tensor] | None = None  # per layout, for the torch form
-    cols: list[Tensor] | None = None  # per layout, for the C++ kernel
+    cols: list[Tensor] | None = None  # per layout, for the C++ kernel (float32 targets on the CPU)
 
     def layer(self, index: int) -> LayerDeltas | None:
         return LayerDeltas(self, index) if self.groups else None
@@ -45,7 +45,7 @@ class LayerDeltas(NamedTuple):
         if batch.stacked is not None:
             target = batch.stacked.layers[self.index][proj]
             if target is not None:
-                if batch.cols is not None:
+                if batch.cols is not None and target.for_kernel:
                     add_lora_stacked_cpu(x, out, target, batch.cols[target.layout])
                 else:
                     add_lora_stacked(x, out, target, batch.masks[target.layout])

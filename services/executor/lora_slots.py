@@ -65,8 +65,7 @@ class ExecutorLoras:
             batch.stacked = stacked = self._stacked
             if stacked.use_kernel:
                 batch.cols = stacked.layouts.row_cols(token_slots)
-            else:
-                batch.masks = stacked.layouts.masks(torch.tensor(token_slots, device=self.device), stacked.dtype)
+            batch.masks = stacked.layouts.masks(torch.tensor(token_slots, device=self.device), self.dtype)
         return batch
 
     def _fill(self, slot: int, adapter) -> None:

@@ -6,7 +6,9 @@ A projection is stacked only while the slots' ranks on it sum to at most
 columns (each row multiplies every slot's) would cost more than the grouped form's
 per-group ops; such a projection keeps the grouped form (`kernels.lora.add_lora`). The
 stacked copies are in the model's dtype (on the CPU float32 copies were no faster in a
-step for bfloat16 models, and twice the memory).
+step for bfloat16 models, and twice the memory), except those the C++ kernel runs: on the
+CPU, a projection whose adapters each have at most `KERNEL_MAX_RANK` columns on it
+(`kernels.lora_stacked.add_lora_stacked_cpu`, float32).
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from services.executor.lora_weights import LoraWeights
 # in_features 576) and 16 of rank 8 (benchmarks/lora_step.py, the README's LoRA section)
 MAX_STACKED_FRACTION = 2.0
 USE_CPU_KERNEL = True  # False: the torch form on the CPU too (benchmarks/lora_step.py compares them)
+# the kernel reads a row's adapter columns once per row (no reuse across rows): it beat the
+# torch form at rank 8 (24 q/k/v columns) and lost at rank 64 (192), side by side on a loaded host
+KERNEL_MAX_RANK = 32
 
 
 class StackedSlots:
     def __init__(self, slots: list[LoraWeights | None], device: torch.device, dtype: torch.dtype):
-        # the C++ kernel takes float32 targets; the torch form runs fastest in the model's dtype
         self.use_kernel = device.type == "cpu" and cpu_kernel() is not None and USE_CPU_KERNEL
-        self.dtype = torch.float32 if self.use_kernel else dtype
         self.layouts = StackedLayouts(device)
         self.layers: list[list[StackedTarget | None]] = []
         resident = [(slot, w) for slot, w in enumerate(slots) if w is not None]
@@ -36,7 +39,11 @@ class StackedSlots:
             row = []
             for proj in range(4):
                 targets = [(slot, w.layers[i][proj]) for slot, w in resident if w.layers[i][proj] is not None]
-                rank = sum(t.a.shape[0] for _, t in targets)
-                fits = bool(targets) and rank <= MAX_STACKED_FRACTION * targets[0][1].a.shape[1]
-                row.append(stack_targets(targets, self.layouts, self.dtype) if fits else None)
+                ranks = [t.a.shape[0] for _, t in targets]
+                if not targets or sum(ranks) > MAX_STACKED_FRACTION * targets[0][1].a.shape[1]:
+                    row.append(None)
+                    continue
+                # the C++ kernel takes float32 targets; the torch form runs fastest in the model's dtype
+                kernel = self.use_kernel and max(ranks) <= KERNEL_MAX_RANK
+                row.append(stack_targets(targets, self.layouts, torch.float32 if kernel else dtype))
             self.layers.append(row)

@@ -103,16 +103,17 @@ def test_adapters_change_the_output(base, adapters):
     assert len({tuple(v) for v in outs.values()}) > 2
 
 
-@pytest.mark.parametrize("stacked_fraction,kernel", [(0.0, False), (0.5, False), (100.0, False), (0.5, True),
-                                                     (100.0, True)],
-                         ids=["grouped", "mixed", "stacked", "mixed-kernel", "stacked-kernel"])
-def test_mixed_batch_equals_each_alone(base, adapters, stacked_fraction, kernel, monkeypatch):
-    """Whichever projections are stacked (kernels.lora_stacked, torch or the C++ kernel) and which
-    grouped."""
-    if kernel and cpu_kernel() is None:
+@pytest.mark.parametrize("stacked_fraction,kernel_rank", [(0.0, 0), (0.5, 0), (100.0, 0), (0.5, 32), (100.0, 32),
+                                                          (100.0, 16)],
+                         ids=["grouped", "mixed", "stacked", "mixed-kernel", "stacked-kernel", "torch-and-kernel"])
+def test_mixed_batch_equals_each_alone(base, adapters, stacked_fraction, kernel_rank, monkeypatch):
+    """Whichever projections are stacked (kernels.lora_stacked, by torch or by the C++ kernel, whose
+    rank limit leaves some projections to torch in the last case) and which grouped."""
+    if kernel_rank and cpu_kernel() is None:
         pytest.skip("the C++ CPU kernels are not built")
     monkeypatch.setattr(lora_stack, "MAX_STACKED_FRACTION", stacked_fraction)
-    monkeypatch.setattr(lora_stack, "USE_CPU_KERNEL", kernel)
+    monkeypatch.setattr(lora_stack, "USE_CPU_KERNEL", bool(kernel_rank))
+    monkeypatch.setattr(lora_stack, "KERNEL_MAX_RANK", kernel_rank)
     r = runner(base)
     slots = {f"a{i}": 3 - i for i in range(4)}  # slots in another order than the rows
     names = ["a0", None, "a1", "a2", "a0", "a3", None, "a1"]
