@@ -4,11 +4,12 @@ and under k distinct adapters of rank r, the i-th row under adapter i mod k (as 
 scheduler interleaves them). No server, no scheduler: this isolates the executor's cost.
 
     .venv/bin/python -m benchmarks.lora_step [--model smollm2] [--rows 16,64] [--cases 1x8,4x8,16x8,4x64]
-                                             [--forms grouped,torch,auto]
+                                             [--forms grouped,torch,kernel]
 
 Forms: `grouped` runs every projection by `kernels.lora.add_lora` (per adapter group, the
 form before stacking), `torch` by `kernels.lora_stacked`'s torch form where the executor
-stacks, `auto` as the executor does (the C++ kernel where built). Each case's forms alternate
+stacks, `kernel` by its C++ kernel where it takes the projection, `auto` as the executor
+does by default. Each case's forms alternate
 with a base step, round after round, so a burst of load from another process slows all
 alike; printed: median ms of each and their ratio (base / LoRA: the share of the base
 model's throughput a LoRA step keeps).
@@ -49,6 +50,7 @@ def step_ms(runner: ModelRunner, step: ExecuteStep) -> float:
 
 # form: (MAX_STACKED_FRACTION, USE_CPU_KERNEL)
 FORMS = {"grouped": (0.0, False), "torch": (lora_stack.MAX_STACKED_FRACTION, False),
+         "kernel": (lora_stack.MAX_STACKED_FRACTION, True),
          "auto": (lora_stack.MAX_STACKED_FRACTION, lora_stack.USE_CPU_KERNEL)}
 
 
@@ -69,7 +71,7 @@ def main() -> None:
     p.add_argument("--cases", default="1x8,4x8,16x8,4x64", help="adapters x rank, comma separated")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--forms", default="grouped,torch,auto")
+    p.add_argument("--forms", default="grouped,torch,kernel")
     args = p.parse_args()
     from transformers import AutoConfig
 

@@ -6,9 +6,9 @@ A projection is stacked only while the slots' ranks on it sum to at most
 columns (each row multiplies every slot's) would cost more than the grouped form's
 per-group ops; such a projection keeps the grouped form (`kernels.lora.add_lora`). The
 stacked copies are in the model's dtype (on the CPU float32 copies were no faster in a
-step for bfloat16 models, and twice the memory), except those the C++ kernel runs: on the
-CPU, a projection whose adapters each have at most `KERNEL_MAX_RANK` columns on it
-(`kernels.lora_stacked.add_lora_stacked_cpu`, float32).
+step for bfloat16 models, and twice the memory), except those the C++ kernel runs where
+`USE_CPU_KERNEL` is set: on the CPU, a projection whose adapters each have at most
+`KERNEL_MAX_RANK` columns on it (`kernels.lora_stacked.add_lora_stacked_cpu`, float32).
 """
 
 from __future__ import annotations
@@ -22,15 +22,17 @@ from services.executor.lora_weights import LoraWeights
 # every projection beat the grouped form up to 4 adapters of rank 64 (q/k/v: R = 768 for
 # in_features 576) and 16 of rank 8 (benchmarks/lora_step.py, the README's LoRA section)
 MAX_STACKED_FRACTION = 2.0
-USE_CPU_KERNEL = True  # False: the torch form on the CPU too (benchmarks/lora_step.py compares them)
-# the kernel reads a row's adapter columns once per row (no reuse across rows): it beat the
-# torch form at rank 8 (24 q/k/v columns) and lost at rank 64 (192), side by side on a loaded host
-KERNEL_MAX_RANK = 32
+# the C++ kernel for the stacked delta on the CPU: off, as it did not measurably beat the torch
+# form (side by side on a loaded 2-core host: 0.7-1.4x of its time at rank 8, worse at rank 64,
+# where it reads a row's adapter columns once per row, with no reuse across rows);
+# benchmarks/lora_step.py's `kernel` form measures it
+USE_CPU_KERNEL = False
+KERNEL_MAX_RANK = 32  # per adapter, on one fused projection (rank 8 on q/k/v: 24)
 
 
 class StackedSlots:
     def __init__(self, slots: list[LoraWeights | None], device: torch.device, dtype: torch.dtype):
-        self.use_kernel = device.type == "cpu" and cpu_kernel() is not None and USE_CPU_KERNEL
+        self.use_kernel = USE_CPU_KERNEL and device.type == "cpu" and cpu_kernel() is not None
         self.layouts = StackedLayouts(device)
         self.layers: list[list[StackedTarget | None]] = []
         resident = [(slot, w) for slot, w in enumerate(slots) if w is not None]
