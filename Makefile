@@ -5,7 +5,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= smollm2
 
-.PHONY: install serve test lint bench compose-tool kube-tool browser-tool
+.PHONY: install serve test lint bench compose-tool kube-tool browser-tool dynamo-tool
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +38,18 @@ kube-tool:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	   kubernetes-client) >/dev/null 2>&1; } || echo "kubectl not installed: the Kubernetes manifests' test will skip"
 
+# NVIDIA Dynamo (the `dynamo` extra, then ai-dynamo without its deps: one of them downloads at
+# install time) and Debian's etcd-server + nats-server run tests/e2e/test_dynamo.py; serving
+# needs none of it. Where they cannot be installed those tests skip and say why.
+dynamo-tool: install
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('dynamo.frontend') is None)" 2>/dev/null || \
+	  { $(PY) -m pip install -q -e '.[dynamo]' && $(PY) -m pip install -q --no-deps ai-dynamo; } >/dev/null 2>&1 || \
+	  echo "NVIDIA Dynamo not installed: its end-to-end tests will skip"
+	@{ command -v etcd >/dev/null && command -v nats-server >/dev/null; } || { command -v apt-get >/dev/null && \
+	  [ "$$(id -u)" = 0 ] && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	   --no-install-recommends etcd-server nats-server) >/dev/null 2>&1; } || \
+	  echo "etcd/nats-server not installed: the Dynamo etcd + NATS test will skip"
+
 # Headless Chromium (Debian's chromium + chromium-driver) runs the dashboard's browser test
 # (tests/e2e/test_dashboard_browser.py); where it cannot be installed that test skips and says why.
 browser-tool:
@@ -52,7 +64,7 @@ browser-tool:
 TEST_WORKERS ?= 2
 
 # pytest exits 5 when it collects no test: that is not a failure of the suite.
-test: install compose-tool kube-tool browser-tool
+test: install compose-tool kube-tool browser-tool dynamo-tool
 	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
