@@ -34,6 +34,13 @@ def server(tiny_model_dir, tmp_path_factory):
         yield srv
 
 
+def ready_pid(server, stage: str) -> int | None:
+    try:
+        return server.stage_pid(stage)
+    except AssertionError:  # no ready replica of it yet
+        return None
+
+
 def wait_until(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -102,7 +109,9 @@ def test_executor_killed_under_load_recomputes_every_request(server):
     assert results == reference, server.log()
     new_pid = wait_until(lambda: server.stage_pid("executor"), 30, "a new executor")
     assert new_pid != old_pid
-    assert server.metrics()["pagedserve_num_preemptions_total"] > preemptions  # recomputed, not restarted
+    # recomputed, not restarted; the gateway mirrors the count from the scheduler's next heartbeat
+    wait_until(lambda: server.metrics()["pagedserve_num_preemptions_total"] > preemptions, 15,
+               "the preemptions counted")
     server.wait_blocks_free()
 
 
@@ -124,7 +133,9 @@ def test_scheduler_killed_under_32_streams_loses_nothing(server):
     assert killed
     assert results == reference, server.log()  # same tokens, no repeats, no error events, [DONE]
     assert time.monotonic() - killed[0] < ERROR_BOUND_S
-    assert server.stage_pid("scheduler") != old_pid
+    # /health shows a stage as of its last heartbeat: on a quiet host the resumed streams can end
+    # within one beat of the new scheduler's readiness, while /health still says "waiting for executor"
+    assert wait_until(lambda: ready_pid(server, "scheduler"), 15, "a ready scheduler") != old_pid
     after = server.metrics()
     assert after["pagedserve_request_retries_total"] > before["pagedserve_request_retries_total"]
     assert after.get("pagedserve_requests_lost_total", 0) == before.get("pagedserve_requests_lost_total", 0)
