@@ -19,6 +19,7 @@ from transformers import AutoConfig
 
 from kernels.attention import AttentionBackend, get_backend
 from services.executor.models.llama import LlamaForCausalLM
+from services.executor.prepack import attach_packed
 from services.executor.quantization import attach_int4, attach_int8_head, int4_copies, int8_head_copy
 from services.executor.tp_group import TPGroup
 
@@ -53,6 +54,7 @@ def load_model(
     quantization: str = "none",
     int4_max_rows: int | None = None,
     tp: TPGroup | None = None,
+    prepack: str = "none",
 ) -> LlamaForCausalLM:
     """The model in `dtype` on `device`; `quantization` (see services.executor.quantization) may add
     int4 copies of the decoder's weights for small steps."""
@@ -75,4 +77,5 @@ def load_model(
             log.info(attach_int4(model, copies, dtype, int4_max_rows))
         if head is not None:
             log.info("head: %s; %s", head_why, attach_int8_head(model, head, dtype, int4_max_rows))
+        log.info(attach_packed(model, prepack))
     return model.eval()

@@ -109,7 +109,8 @@ class ModelRunner:
         step_calibrated = (o.int4_max_rows is None and self.tp.size == 1 and self.device.type == "cpu"
                            and not o.deterministic)
         self.model = load_model(model_dir, self.dtype, self.device, self.backend, o.quantization,
-                                ALL_ROWS if step_calibrated or o.deterministic else o.int4_max_rows, self.tp)
+                                ALL_ROWS if step_calibrated or o.deterministic else o.int4_max_rows, self.tp,
+                                prepack="none" if o.deterministic else o.prepack)
         if o.deterministic:
             for line in make_batch_invariant(self.model):
                 log.info(line)

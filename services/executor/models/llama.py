@@ -43,6 +43,7 @@ from services.executor.batch import BatchMetadata
 from services.executor.deterministic import tiled_linear
 from services.executor.lora_batch import LayerDeltas
 from services.executor.models.sharding import ModelShard
+from services.executor.prepack import PackedWeight, packed_or_dense
 from services.executor.quantization import Int4Weight, Int8Weight, Q4Weight, Q8Weight
 from services.executor.tp_group import TPGroup
 
@@ -65,6 +66,7 @@ class Linear(nn.Linear):
     """A dense linear that may also hold an int4 copy of its weight, used for calls of few rows."""
 
     int4: Int4Weight | Q4Weight | None = None
+    packed: PackedWeight | None = None  # oneDNN-blocked copy for dense calls (services.executor.prepack)
     _out: Tensor | None = None  # step_forward's buffer, [REUSED_ROWS, out_features] float32
     tile_rows: int = 0  # --deterministic: dense calls this many rows at a time (services.executor.deterministic)
 
@@ -75,7 +77,7 @@ class Linear(nn.Linear):
             return y if bias is None else y + bias
         if self.tile_rows:
             return tiled_linear(x, self.weight, bias, self.tile_rows)
-        return F.linear(x, self.weight, bias)
+        return packed_or_dense(self.packed, x, self.weight, bias)
 
     def step_forward(self, x: Tensor) -> Tensor:
         """`forward` for the model's forward pass, which reads a projection's output before it calls
@@ -303,6 +305,7 @@ class LlamaForCausalLM(nn.Module):
         self._layer_calls: list[LayerCalls] | None = None
         self.head_int8: Int8Weight | Q8Weight | None = None  # see services.executor.quantization
         self.head_tile_rows = 0  # as Linear.tile_rows
+        self.head_packed: PackedWeight | None = None  # as Linear.packed
 
     def cos_sin(self, dtype: torch.dtype) -> Tensor:
         if self._cos_sin is None or self._cos_sin.device != self.rotary.inv_freq.device:
@@ -358,7 +361,7 @@ class LlamaForCausalLM(nn.Module):
         elif self.head_tile_rows:
             logits = tiled_linear(x, self.head_weight(), None, self.head_tile_rows).float()
         else:
-            logits = F.linear(x, self.head_weight()).float()
+            logits = packed_or_dense(self.head_packed, x, self.head_weight(), None).float()
         if self.tp.size == 1:
             return logits
         logits = self.tp.gather(logits)

@@ -1,0 +1,79 @@
+"""Prepacked oneDNN weights (services.executor.prepack) against F.linear, and where they apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.executor.model_runner import ModelRunner
+from services.executor.prepack import PACKED_MAX_ROWS, pack, packed_or_dense, supported
+from shared.messages import ExecuteStep, ScheduledSeq, SeqSampling
+
+needs_bf16_onednn = pytest.mark.skipif(supported(torch.bfloat16, "cpu") is not None,
+                                       reason=f"no packing here: {supported(torch.bfloat16, 'cpu')}")
+GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
+
+
+@needs_bf16_onednn
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 213, PACKED_MAX_ROWS])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_matmul_equals_linear(rows, with_bias):
+    torch.manual_seed(rows)
+    w = torch.randn(96, 80, dtype=torch.bfloat16)
+    b = torch.randn(96, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, 80, dtype=torch.bfloat16)
+    got = pack(w, b).matmul(x).float()
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    # both round their bfloat16 output once; their float32 sums may differ in order only
+    torch.testing.assert_close(got, want, atol=0.25, rtol=2e-2)
+    torch.testing.assert_close(got, F.linear(x, w, b).float(), atol=0.25, rtol=2e-2)
+
+
+@needs_bf16_onednn
+def test_strided_input_and_large_calls():
+    w = torch.randn(64, 48, dtype=torch.bfloat16)
+    packed = pack(w)
+    wide = torch.randn(10, 96, dtype=torch.bfloat16)
+    x = wide[:, ::2]  # a non-contiguous view, as a projection's input can be
+    torch.testing.assert_close(packed_or_dense(packed, x, w, None).float(), F.linear(x, w).float(), atol=0.1,
+                               rtol=1e-2)
+    big = torch.randn(PACKED_MAX_ROWS + 1, 48, dtype=torch.bfloat16)
+    assert torch.equal(packed_or_dense(packed, big, w, None), F.linear(big, w))  # above max_rows: F.linear itself
+
+
+def test_float32_and_other_devices_are_never_packed():
+    assert supported(torch.float32, "cpu") is not None
+    assert supported(torch.bfloat16, "meta") is not None
+
+
+def _greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
+    bs, table = runner.block_size, list(range(1, 9))
+
+    def seq(tokens, start):
+        slots = [table[p // bs] * bs + p % bs for p in range(start, start + len(tokens))]
+        return ScheduledSeq(request_id="r", token_ids=tokens, start_pos=start, block_table=table,
+                            slot_mapping=slots, sample=True, output_index=0, sampling=GREEDY)
+
+    out = runner.execute(ExecuteStep(step_id=0, seqs=[seq(prompt, 0)]))
+    for s in range(1, steps):
+        out += runner.execute(ExecuteStep(step_id=s, seqs=[seq([out[-1]], len(prompt) + s - 1)]))
+    return out
+
+
+@needs_bf16_onednn
+def test_runner_packs_bfloat16_and_keeps_its_tokens(tiny_model_dir):
+    prompt = list(range(5, 40))
+    packed = ModelRunner(tiny_model_dir, dtype="bfloat16", quantization="none", num_kv_blocks=16)
+    plain = ModelRunner(tiny_model_dir, dtype="bfloat16", quantization="none", num_kv_blocks=16, prepack="none")
+    assert all(m.packed is not None for m in packed.model.decoder_linears()) and packed.model.head_packed is not None
+    assert all(m.packed is None for m in plain.model.decoder_linears()) and plain.model.head_packed is None
+    assert _greedy(packed, prompt, 12) == _greedy(plain, prompt, 12)
+
+
+def test_exact_and_deterministic_modes_keep_plain_weights(tiny_model_dir):
+    for runner in (ModelRunner(tiny_model_dir, dtype="float32", quantization="none", num_kv_blocks=16),
+                   ModelRunner(tiny_model_dir, dtype="bfloat16", quantization="none", num_kv_blocks=16,
+                               deterministic=True)):
+        assert all(m.packed is None for m in runner.model.decoder_linears())
+        assert runner.model.head_packed is None
