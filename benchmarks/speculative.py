@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                     rec = point(target, requests[: c * args.requests], c, tokenizer, names)
                     rows.append((set_name, c, name, rec))
                     print(f"{set_name} C={c} {name}: {rec['tok_s']:.1f} tok/s, TPOT p50 "
-                          f"{1e3 * (rec['tpot_p50'] or 0):.1f} ms", file=sys.stderr, flush=True)
+                          f"{1e3 * (rec['tpot_p50'] or 0):.1f} ms, p99 {1e3 * (rec['tpot_p99'] or 0):.1f} ms, "
+                          f"{rec['accepted']:.0f} of {rec['proposed']:.0f} proposed accepted", file=sys.stderr,
+                          flush=True)
     print(f"speculative decoding, {args.model}, greedy chat, {args.output_len} output tokens (ignore_eos), "
           f"k = {args.num_speculative_tokens}, {args.requests} x C requests a point")
     print(f"{'set':>9} {'C':>3} {'server':>21} {'tok/s':>7} {'TPOT p50':>9} {'TPOT p99':>9} {'proposed':>9} "
