@@ -33,7 +33,9 @@ STAGE_GROUPS: dict[str, tuple[type, ...]] = {
     "tokenizer": (ModelOptions, ContextOptions, TokenizerOptions, LogOptions),
     "scheduler": (EngineName, BatchLimits, ContextOptions, SchedulerOptions, SchedulingOptions, KVEventsOptions,
                   SpeculativeOptions, LoraOptions, LogOptions),
-    "executor": (ModelOptions, EngineName, ExecutorOptions, ParallelOptions, LoraOptions, LogOptions),
+    # the executor takes the speculative options for --speculative draft's model, which it runs
+    "executor": (ModelOptions, EngineName, ExecutorOptions, ParallelOptions, SpeculativeOptions, LoraOptions,
+                 LogOptions),
     # an engine served to NVIDIA Dynamo (`serve --dynamo`): the scheduler's KV events are relayed
     "dynamo-worker": (ModelOptions, EngineName, ContextOptions, BatchLimits, KVEventsOptions, DynamoOptions,
                       LogOptions),

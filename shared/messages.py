@@ -361,6 +361,10 @@ class ScheduledSeq(Struct):
     # len(draft_token_ids) entries they are); the executor samples every one of those positions and
     # accepts the longest prefix it agrees with (StepResult.num_accepted)
     draft_token_ids: list[int] = []
+    # speculative decoding with a draft model (--speculative draft): the executor's draft proposes this
+    # many tokens after token_ids (theirs are the last num_proposals slots of slot_mapping) and puts
+    # them in draft_token_ids and token_ids before the step runs (StepResult.proposed says which)
+    num_proposals: int = 0
 
 
 class ExecuteStep(Struct, tag=True):
@@ -442,6 +446,9 @@ class StepResult(Struct, tag=True):
     # of each seq with draft_token_ids, in step order: how many of its drafts were accepted (their
     # logprobs, when asked, come before its sampled token's in `logprobs`)
     num_accepted: list[int] = []
+    # of each seq with num_proposals, in step order: the tokens the executor's draft model proposed
+    # (its draft_token_ids, of which num_accepted counts the accepted)
+    proposed: list[list[int]] = []
 
 
 class StepFailed(Struct, tag=True):

@@ -17,16 +17,17 @@ from shared.ports import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_tiny_llama(out: Path) -> Path:
-    """A 2-layer random Llama with GQA that speaks SmolLM2's tokenizer (vocab 49152)."""
+def make_tiny_llama(out: Path, seed: int = 0, num_layers: int = 2) -> Path:
+    """A 2-layer random Llama with GQA that speaks SmolLM2's tokenizer (vocab 49152); another seed or
+    layer count gives another model of the same vocabulary (a draft for speculative decoding)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from shared.model_files import resolve_model
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512,
         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
     )

@@ -8,7 +8,10 @@ then sampling of the sequences that asked for a token. `run` returns the whole
 (logits are computed at those positions only for them). Sequences with structured
 output sample under their grammar's token mask (`grammar`), filled during the forward pass.
 A sequence with proposed tokens (speculative decoding) has each of its last 1 + k positions
-sampled, and keeps the proposals its samples agree with (`speculative`).
+sampled, and keeps the proposals its samples agree with (`speculative`). With a draft model
+(`draft_model`, on one process only) the proposals of the sequences that ask are made here, after
+the step's block moves and before its forward pass; the draft's K/V pool has the target's blocks,
+so a pool sized by memory has as many blocks as the two models' K/V per block allow.
 
 What is computed per sequence after the forward pass (grammar masks, logits processors,
 sampling, logprobs, prompt scoring) fails only that sequence: the step's result lists it
@@ -50,6 +53,7 @@ from services.executor.batch import BatchMetadata, InvalidStep
 from services.executor.compiled_decode import SCRATCH_BLOCKS, CompiledDecode
 from services.executor.cuda_graphs import DecodeGraphs
 from services.executor.deterministic import make_batch_invariant
+from services.executor.draft_model import DraftProposer, vocabulary_problem
 from services.executor.dtype_choice import resolve_dtype, resolve_kv_cache_dtype
 from services.executor.gpu_memory import kv_cache_budget, profile_step
 from services.executor.grammar import GrammarMasks
@@ -88,9 +92,11 @@ def _checkpoint_dtype(model_dir: str | Path) -> str | None:
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, options: ExecutorOptions | None = None, *, tp: TPGroup | None = None,
-                 seed: int | None = None, lora_options: LoraOptions | None = None, **overrides):
+                 seed: int | None = None, lora_options: LoraOptions | None = None,
+                 draft_model: str | Path | None = None, **overrides):
         """options: the executor's (its defaults if None); overrides: some of its fields by name
-        (`ModelRunner(path, dtype="float32", num_kv_blocks=64)`); lora_options: its LoRA slots'."""
+        (`ModelRunner(path, dtype="float32", num_kv_blocks=64)`); lora_options: its LoRA slots';
+        draft_model: the directory of a draft model for speculative decoding (`draft_model`)."""
         self.options = o = with_values(options or ExecutorOptions(), **overrides)
         block_size, num_kv_blocks, kv_cache_memory = o.block_size, o.num_kv_blocks, o.kv_cache_memory
         max_num_seqs = o.limits.max_num_seqs
@@ -118,6 +124,8 @@ class ModelRunner:
         config = self.model.config
         self.max_model_len: int = config.max_position_embeddings
         self.vocab_size: int = config.vocab_size
+        self.drafter: DraftProposer | None = None
+        draft = self._load_draft(model_dir, draft_model) if draft_model is not None else None
         self.sampler = Sampler(seed=seed, device=self.device)
         # shapes only: the gateway checked the adapter's base model name when it registered it
         self.loras = ExecutorLoras(lora_options or LoraOptions(), replace(BaseShapes.of_config(config), names=frozenset()),
@@ -132,6 +140,9 @@ class ModelRunner:
                 kv_cache_memory = self._profile_kv_cache_memory(
                     shape, o.gpu_memory_utilization, o.limits.max_num_batched_tokens, max_num_seqs)
             memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
+            if draft is not None:  # the draft's K/V of a block is paid from the same budget
+                memory = memory * bytes_per_block(*shape, self.kv_dtype) // (
+                    bytes_per_block(*shape, self.kv_dtype) + bytes_per_block(*self._draft_shape(draft), self.kv_dtype))
             num_kv_blocks = KVCache.blocks_for_memory(memory, *shape, self.kv_dtype)
         num_kv_blocks = self.tp.min_int(num_kv_blocks)  # every rank's pool has the same blocks
         compiled = o.compile_decode and self.device.type == "cpu" and self.tp.size == 1 and not o.deterministic
@@ -145,6 +156,11 @@ class ModelRunner:
         self.num_kv_blocks: int = num_kv_blocks
         per_block = bytes_per_block(*shape, self.kv_dtype)
         self.swap = HostKVCache(self.kv_cache, self.tp.min_int(o.swap_space // per_block) * per_block)
+        if draft is not None:
+            self.drafter = DraftProposer(draft, num_kv_blocks + extra, block_size, self.kv_dtype, self.device,
+                                         self.swap.num_blocks)
+            log.info("draft model %s: its KV pool %.1f MiB beside the target's, on the same blocks", draft_model,
+                     self.drafter.kv.nbytes / 2**20)
         self.last_top_logprobs: list[list[tuple[int, float]]] = []
         self.pooler = Pooler()  # embedding requests' pooled states across their prompt's chunks
         self.last_pooled: Tensor | None = None
@@ -165,18 +181,43 @@ class ModelRunner:
                  f" (tensor-parallel rank {self.tp.rank} of {self.tp.size}: query heads "
                  f"{self.model.shard.q_heads}, KV heads {self.model.shard.kv_heads})" if self.tp.size > 1 else "")
 
-    def compute_logits(self, step: ExecuteStep) -> tuple[Tensor | None, BatchMetadata]:
+    def _load_draft(self, model_dir: str | Path, draft_dir: str | Path):
+        """The draft model, loaded as the target is (dtype, backend, quantization, --deterministic);
+        ValueError when it cannot propose for this target."""
+        o = self.options
+        if self.tp.size > 1:
+            raise ValueError("a draft model (--speculative draft) runs on one process: not under tensor parallelism")
+        draft = load_model(draft_dir, self.dtype, self.device, self.backend, o.quantization,
+                           ALL_ROWS if o.deterministic or o.int4_max_rows is None else o.int4_max_rows)
+        problem = vocabulary_problem(model_dir, draft_dir, self.model.config, draft.config)
+        if problem is None and draft.config.max_position_embeddings < self.max_model_len:
+            problem = (f"the draft model's context ({draft.config.max_position_embeddings} tokens) is shorter than "
+                       f"the target's ({self.max_model_len})")
+        if problem is not None:
+            raise ValueError(f"draft model {draft_dir} cannot propose for {model_dir}: {problem}")
+        if o.deterministic:
+            for line in make_batch_invariant(draft):
+                log.info("draft model: %s", line)
+        return draft
+
+    @staticmethod
+    def _draft_shape(draft) -> tuple[int, int, int, int]:
+        return (draft.config.num_hidden_layers, 1, draft.num_local_kv_heads, head_dim_of(draft.config))
+
+    def compute_logits(self, step: ExecuteStep, blocks_moved: bool = False) -> tuple[Tensor | None, BatchMetadata]:
         """Run the step's forward pass; float32 logits of its sampled sequences, in order
         (None on tensor-parallel ranks other than 0).
 
         A decode step replayed from a CUDA graph keeps its BatchMetadata on the CPU.
         Under tensor parallelism a forward pass that raises leaves the ranks out of step:
-        `GroupBroken`, whatever the cause (InvalidStep, raised before, is the same on every rank)."""
+        `GroupBroken`, whatever the cause (InvalidStep, raised before, is the same on every rank).
+        blocks_moved: the step's block moves are done already (`run`, with a draft model)."""
         graph = (self.graphs is not None and not step.pooling and not step.lora_slots and self.graphs.fits(step)
                  and not any(s.score_targets for s in step.seqs))
         meta = BatchMetadata.from_step(step, self.block_size, self.num_kv_blocks, "cpu" if graph else self.device)
         meta.lora = self.loras.prepare(step, meta.query_lens)
-        self._move_blocks(step)
+        if not blocks_moved:
+            self._move_blocks(step)
         self.last_pooled = None
         start = time.perf_counter()
         with torch.inference_mode():
@@ -220,14 +261,16 @@ class ModelRunner:
         if not step.seqs:
             self._move_blocks(step)
             return StepResult(step.step_id, [], 0.0)
+        blocks_moved = self._propose(step)
         seqs = sampled_rows(step.seqs)  # one per sampled row: a speculating sequence has several
         if self.tp.rank > 0:
             seqs = []  # no sampling here: no grammar masks to fill
         # the grammar masks of constrained sequences are filled while the forward pass runs
         masks = (self._grammar_pool().submit(self._grammar().masks, seqs)
                  if any(s.sampling.structured is not None for s in seqs) else None)
-        logits, meta = self.compute_logits(step)
+        logits, meta = self.compute_logits(step, blocks_moved)
         result = StepResult(step.step_id, [-1] * len(step.seqs), self.last_forward_s)
+        result.proposed = [s.draft_token_ids for s in step.seqs if s.num_proposals]
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return result
         failed: dict[int, tuple[int, str]] = {}  # sampled row -> (status, why)
@@ -279,6 +322,19 @@ class ModelRunner:
         for f in result.failed:
             result.sampled[f.index] = -1
         return result
+
+    def _propose(self, step: ExecuteStep) -> bool:
+        """With a draft model: the step's block moves, then its proposals (`draft_model`); whether
+        the blocks were moved."""
+        if self.drafter is None:
+            if any(s.num_proposals for s in step.seqs):
+                raise InvalidStep("the step asks for a draft model's proposals, and this executor has none "
+                                  "(--speculative draft --draft-model PATH)")
+            return False
+        self._move_blocks(step)
+        self.drafter.observe(step)
+        self.drafter.propose(step)
+        return True
 
     def _process(self, raw: Tensor, params: list, indices: list[int], histories: list,
                  failed: dict[int, tuple[int, str]]) -> Tensor:
@@ -365,6 +421,8 @@ class ModelRunner:
             self.swap.swap_out(step.swap_out)
             self.swap.swap_in(step.swap_in)
         self._copy_blocks(step)
+        if self.drafter is not None:
+            self.drafter.move_blocks(step, self.backend.copy_blocks)
 
     def _copy_blocks(self, step: ExecuteStep) -> None:
         if not step.block_copies:

@@ -40,6 +40,7 @@ from services.executor.options import ExecutorOptions
 from services.executor.previous_tokens import PreviousTokens
 from services.executor.seq_states import SequenceStates
 from services.executor.tp_group import KEEPALIVE_S, GroupBroken, TPGroup, insecure_allowed
+from services.scheduler.options import SpeculativeOptions
 from shared import cpu_placement
 from shared.config import Addresses
 from shared.curve import stage_keys
@@ -177,8 +178,12 @@ class Executor:
 
     def load(self, device: str, group: TPGroup) -> ModelRunner:
         options = with_values(from_args(ExecutorOptions, self.args), device=device)
+        spec = from_args(SpeculativeOptions, self.args)
+        if (spec.speculative == "draft") != (spec.draft_model is not None):
+            raise SystemExit("--speculative draft needs --draft-model PATH, and --draft-model needs --speculative draft")
+        draft = resolve_model(spec.draft_model) if spec.speculative == "draft" else None
         return ModelRunner(resolve_model(self.args.model), options, tp=group,
-                           lora_options=from_args(LoraOptions, self.args))
+                           lora_options=from_args(LoraOptions, self.args), draft_model=draft)
 
     def execute(self, runner: ModelRunner, step: ExecuteStep,
                 failed: list[FailedRow] = ()) -> StepResult | StepFailed:

@@ -92,7 +92,7 @@ def fit_to_executor(own: BatchLimits, ready: ExecutorReady) -> BatchLimits:
     return BatchLimits(seqs, tokens)
 
 
-SPECULATIVE_METHODS = ("off", "ngram")
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
 # benchmarks/speculative.py on the shared 2-core host with SmolLM2 (README): at C=1 speculation
 # gained on both prompt sets, at C=4 it lost on ShareGPT-like prompts (0.63x tok/s) and gained on
 # copy-heavy ones; off above 2 running sequences keeps the measured win and avoids the measured loss
@@ -101,12 +101,16 @@ SPECULATIVE_DISABLE_BATCH_SIZE = 2
 
 @dataclass(frozen=True)
 class SpeculativeOptions:
-    """speculative decoding (the scheduler proposes, the executor verifies)"""
+    """speculative decoding (the scheduler or a draft model proposes, the executor verifies)"""
 
     speculative: str = option("off", "ngram: propose the tokens that followed the latest earlier occurrence of a "
                                      "sequence's last n tokens (prompt lookup) and verify them in one step, "
-                                     "losslessly (greedy and sampled output keep the model's distribution)",
+                                     "losslessly (greedy and sampled output keep the model's distribution); "
+                                     "draft: a smaller model with the same tokenizer (--draft-model) proposes, "
+                                     "in the executor, with its own K/V on the target's blocks",
                               choices=SPECULATIVE_METHODS)
+    draft_model: str | None = option(None, "the draft model of --speculative draft: a directory or a known name, "
+                                           "whose vocabulary must be the model's")
     num_speculative_tokens: int = option(4, "the most tokens proposed for a sequence per step", parse=positive)
     ngram_min: int = option(1, "the shortest suffix (tokens) the ngram proposer matches", parse=positive)
     ngram_max: int = option(4, "the longest suffix (tokens) the ngram proposer matches (tried first)",
@@ -121,5 +125,7 @@ def speculative_config(options: SpeculativeOptions) -> SpeculativeConfig:
     """The scheduler's speculation settings from its flags (ValueError for an empty suffix range)."""
     if options.ngram_min > options.ngram_max:
         raise ValueError(f"--ngram-min {options.ngram_min} is above --ngram-max {options.ngram_max}")
+    if (options.speculative == "draft") != (options.draft_model is not None):
+        raise ValueError("--speculative draft needs --draft-model PATH, and --draft-model needs --speculative draft")
     return SpeculativeConfig(options.speculative, options.num_speculative_tokens, options.ngram_min,
                              options.ngram_max, options.speculative_disable_batch_size)

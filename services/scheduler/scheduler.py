@@ -58,7 +58,9 @@ may carry proposed tokens after its last one (`ScheduledChunk.draft`), for which
 slots too (never preempting anyone for them); the result says how many the executor accepted,
 the sequence goes on after those and the token sampled after them, and the slots of the
 rejected ones are given back (`BlockManager.trim`, a block freed when its first slot goes).
-Only verified tokens are committed to the prefix cache. A step built ahead never speculates,
+Only verified tokens are committed to the prefix cache. Under a draft model the proposals are the
+executor's: the chunk's draft holds placeholders until the result names them (`StepResult.proposed`).
+A step built ahead never speculates,
 and a sequence that may speculate, or whose step in flight speculates, is not stepped ahead.
 Pure logic: it builds the step message but never touches a socket.
 """
@@ -70,7 +72,7 @@ import logging
 import math
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 
 from services.scheduler import beam_search
@@ -80,7 +82,7 @@ from services.scheduler.host_block_pool import HostBlockPool
 from services.scheduler.lora_slots import LoraSlotTable
 from services.scheduler.priority_queue import PriorityWaiting, rank
 from services.scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
-from services.scheduler.speculation import SpeculativeConfig, Speculator
+from services.scheduler.speculation import PLACEHOLDER, SpeculativeConfig, Speculator
 from services.scheduler.validation import request_problem, resume_problem, token_limit
 from shared.messages import (
     PREVIOUS_TOKEN,
@@ -118,6 +120,11 @@ class ScheduledChunk:
     num_tokens: int
     restored: bool = False  # its computed KV comes back from swap space in this step
     draft: tuple[int, ...] = ()  # proposed tokens after its last one (speculative decoding)
+
+    @property
+    def proposed_by_executor(self) -> bool:
+        """Its draft is placeholders for the executor's draft model's proposals."""
+        return bool(self.draft) and self.draft[0] == PLACEHOLDER
 
     @property
     def num_slots(self) -> int:
@@ -750,9 +757,10 @@ class Scheduler:
 
     def _seq(self, chunk: ScheduledChunk) -> ScheduledSeq:
         req, start = chunk.sequence, chunk.sequence.num_computed_tokens
+        executor_draft = chunk.proposed_by_executor
         seq = ScheduledSeq(
             request_id=req.request_id,
-            token_ids=req.token_ids(start, start + chunk.num_tokens) + list(chunk.draft),
+            token_ids=req.token_ids(start, start + chunk.num_tokens) + ([] if executor_draft else list(chunk.draft)),
             start_pos=start,
             block_table=list(req.block_table),
             slot_mapping=self.blocks.slot_mapping(req, start, chunk.num_slots),
@@ -762,7 +770,8 @@ class Scheduler:
             score_targets=req.score_targets(start, chunk.num_tokens),
             prompt_logprobs=req.params.prompt_logprobs or 0,
             seq_index=req.seq_index,
-            draft_token_ids=list(chunk.draft),
+            draft_token_ids=[] if executor_draft else list(chunk.draft),
+            num_proposals=len(chunk.draft) if executor_draft else 0,
         )
         self.executor_states.attach(seq, req)
         return seq
@@ -772,6 +781,11 @@ class Scheduler:
         """The draft lengths of the chunks that speculate, in step order: the result's
         num_accepted has one count for each, at most its length."""
         return [len(c.draft) for c in chunks if c.draft]
+
+    @staticmethod
+    def expected_proposals(chunks: list[ScheduledChunk]) -> int:
+        """How many proposal lists (`StepResult.proposed`) the result of a step of these chunks holds."""
+        return sum(1 for c in chunks if c.proposed_by_executor)
 
     @staticmethod
     def expected_outputs(chunks: list[ScheduledChunk], num_accepted: list[int] = ()) -> tuple[int, int, int]:
@@ -789,21 +803,22 @@ class Scheduler:
     def process_results(
         self, chunks: list[ScheduledChunk], sampled: list[int], top_logprobs: list[list[tuple[int, float]]] = (),
         logprobs: list[TokenLogprob] = (), prompt_logprobs: list[list[TokenLogprob]] = (),
-        embeddings: list[bytes] = (), num_accepted: list[int] = (),
+        embeddings: list[bytes] = (), num_accepted: list[int] = (), proposed: list[list[int]] = (),
     ) -> list[tuple[Sequence, TokenDelta | PooledOutput]]:
         """Apply one step's sampled tokens (and beams' candidates, the sampled tokens' logprobs,
         the scored prompt positions, the pooled vectors of embedding requests whose prompt
-        ends and the accepted counts of speculating sequences, each given in step order for the
-        sequences that have them); returns the deltas to send, by request."""
+        ends, the accepted counts of speculating sequences and the executor's proposals, each
+        given in step order for the sequences that have them); returns the deltas to send, by request."""
         self.num_steps_total += 1
         out: list[tuple[Sequence, TokenDelta | PooledOutput]] = []
         candidates, token_lps, scored = iter(top_logprobs), iter(logprobs), iter(prompt_logprobs)
-        pooled, accepted_counts = iter(embeddings), iter(num_accepted)
+        pooled, accepted_counts, proposals = iter(embeddings), iter(num_accepted), iter(proposed)
         touched_beams = set()
         for chunk, token in zip(chunks, sampled, strict=True):
             req = chunk.sequence
             samples = chunk.samples
             accepted = next(accepted_counts) if chunk.draft else 0
+            proposal = next(proposals, None) if chunk.proposed_by_executor else None
             beam_cands = next(candidates) if samples and req.params.use_beam_search else None
             token_lp = ([next(token_lps) for _ in range(1 + accepted)] if samples and req.sampling.logprobs is not None
                         and not req.params.use_beam_search else None)
@@ -812,6 +827,8 @@ class Scheduler:
             if req.status is not SequenceStatus.RUNNING:
                 continue  # aborted, finished, failed or preempted while the step ran
             try:
+                if chunk.proposed_by_executor:
+                    chunk = self._with_proposal(chunk, proposal)
                 if positions is not None:
                     req.add_prompt_logprobs(req.num_computed_tokens, positions)
                 if embedding is not None:
@@ -832,6 +849,14 @@ class Scheduler:
                 self.fail_request(request_id, exc)
         # a request that failed after some of its sequences' deltas: the error is its last word
         return [(req, delta) for req, delta in out if req.finish_reason != "error"]
+
+    def _with_proposal(self, chunk: ScheduledChunk, proposal: list[int] | None) -> ScheduledChunk:
+        """chunk with the executor's proposals in place of its placeholders (ValueError if they do not fit)."""
+        top = token_limit(self.config.vocab_size)
+        if proposal is None or len(proposal) != len(chunk.draft) or any(not 0 <= t <= top for t in proposal):
+            raise ValueError(f"the executor's proposals {proposal} do not fill {len(chunk.draft)} proposed slots "
+                             f"with token ids of the vocabulary (0 to {top})")
+        return replace(chunk, draft=tuple(proposal))
 
     def _apply(self, chunk: ScheduledChunk, token: int, beam_cands: list | None,
                token_lps: list[TokenLogprob] | None = None, num_accepted: int = 0) -> TokenDelta | None:

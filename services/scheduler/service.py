@@ -262,6 +262,7 @@ class SchedulerService:
         beams, logprobs, scored = self.scheduler.expected_outputs(chunks, accepted)
         if isinstance(msg, StepResult) and (len(msg.sampled) != len(chunks) or len(msg.top_logprobs) != beams
                                             or len(accepted) != len(drafts)
+                                            or len(msg.proposed) != self.scheduler.expected_proposals(chunks)
                                             or any(not 0 <= a <= d for a, d in zip(accepted, drafts, strict=False))
                                             or len(msg.logprobs) != logprobs or len(msg.prompt_logprobs) != scored
                                             or any(not 0 <= f.index < len(chunks) for f in msg.failed)
@@ -281,7 +282,8 @@ class SchedulerService:
             self._reply(req.reply_to, RequestError(req.request_id, status, row.message,
                                                    "invalid_request_error" if status == 400 else "internal_error"))
         for req, delta in self.scheduler.process_results(chunks, msg.sampled, msg.top_logprobs, msg.logprobs,
-                                                             msg.prompt_logprobs, msg.embeddings, msg.num_accepted):
+                                                             msg.prompt_logprobs, msg.embeddings, msg.num_accepted,
+                                                             msg.proposed):
             self._reply(req.reply_to, delta)
         self._report_failures()
         # from the previous result (or from scheduling, after idling) to this one: the whole

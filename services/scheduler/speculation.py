@@ -1,10 +1,14 @@
 """Speculative decoding, scheduler side: which sequences speculate, their proposals, the counts.
 
-The scheduler holds every sequence's tokens, so proposals are made here (`propose_ngram`)
+The scheduler holds every sequence's tokens, so ngram proposals are made here (`propose_ngram`)
 and travel in the step (`ScheduledSeq.draft_token_ids`); the executor samples every
 proposed position and accepts the longest prefix it agrees with (`StepResult.num_accepted`),
 and the scheduler rolls the rejected tokens' slots back (`BlockManager.trim`). Nothing per
 sequence is kept: a proposal is made from the sequence's verified tokens each step.
+A draft model's proposals (method "draft") are made by the executor, which holds the model:
+here they are only placeholders (`PLACEHOLDER`, as many as may be proposed) that take their
+slots like any proposal; the step asks for that many (`ScheduledSeq.num_proposals`) and the
+result says which tokens they were (`StepResult.proposed`), before anything reads them.
 
 A sequence speculates only where that is exact and cheap to verify (`Sequence.can_speculate`):
 not under penalties, grammars or bad words (they read the output the executor would have to
@@ -27,10 +31,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+PLACEHOLDER = -1  # a token the executor's draft model proposes (method "draft"): known from the step's result
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "off"  # or "ngram"
+    method: str = "off"  # or "ngram", "draft"
     num_tokens: int = 4  # the most proposed per sequence per step
     ngram_min: int = 1
     ngram_max: int = 4
@@ -43,6 +49,9 @@ class SpeculativeConfig:
     def describe(self) -> str:
         if not self.enabled:
             return "speculative decoding off"
+        if self.method == "draft":
+            return (f"speculative decoding: draft model (the executor's), up to {self.num_tokens} tokens a step, "
+                    f"while at most {self.disable_batch_size} sequences run")
         return (f"speculative decoding: {self.method} (suffixes of {self.ngram_max} down to {self.ngram_min} tokens), "
                 f"up to {self.num_tokens} tokens a step, while at most {self.disable_batch_size} sequences run")
 
@@ -71,6 +80,8 @@ class Speculator:
                    max_model_len - req.num_tokens - 1)
         if room <= 0:
             return []
+        if c.method == "draft":
+            return [PLACEHOLDER] * room
         return propose_ngram(req.token_ids(0, req.num_tokens), room, c.ngram_min, c.ngram_max)
 
     def record(self, num_proposed: int, num_accepted: int) -> None:

@@ -5,7 +5,9 @@ lookup proposals are often right) and sometimes does not (so some are rejected);
 token back through the slots it is given, so a wrong slot, a block freed too early or a rolled
 back token that survives shows up as a wrong output. Outputs must equal decoding without
 speculation token for token, with the pool's and the scheduler's invariants checked after
-every step, including preemption by recompute and swap while sequences speculate.
+every step, including preemption by recompute and swap while sequences speculate. Under the
+draft method the stand-in executor proposes too (`draft_model`: the stand-in model, wrong more often),
+as a draft model does, and the scheduler learns its proposals from the result.
 """
 
 import random
@@ -34,6 +36,11 @@ def model(seen: list[int]) -> int:
     return seen[-PERIOD]
 
 
+def draft_model(seen: list[int]) -> int:
+    """The stand-in draft model: the stand-in model's token, except at some other positions."""
+    return 1 if (sum(seen) + 5 * len(seen)) % 3 == 0 else model(seen)
+
+
 class SpeculatingFakeExecutor:
     """Writes every token of a step (proposals too) into the slots given, then samples each
     proposed position from the tokens read back, accepting while they agree."""
@@ -47,10 +54,18 @@ class SpeculatingFakeExecutor:
     def execute(self, step):
         bs = self.bs
         move_blocks(step, self.pool, self.host, bs)
-        sampled, accepted, logprobs = [], [], []
+        sampled, accepted, logprobs, proposed = [], [], [], []
         for seq in step.seqs:
             if seq.sampling is not None:
                 self.sampling[seq.request_id] = seq.sampling
+            if seq.num_proposals:  # as the executor's draft model: proposals from the tokens read back
+                seen = [self.pool[seq.block_table[p // bs] * bs + p % bs] for p in range(seq.start_pos)]
+                seen += seq.token_ids
+                for _ in range(seq.num_proposals):
+                    seq.draft_token_ids.append(draft_model(seen))
+                    seen.append(seq.draft_token_ids[-1])
+                seq.token_ids = seq.token_ids + seq.draft_token_ids
+                proposed.append(seq.draft_token_ids)
             assert len(seq.slot_mapping) == len(seq.token_ids)
             for slot, tok in zip(seq.slot_mapping, seq.token_ids, strict=True):
                 self.pool[slot] = tok
@@ -69,6 +84,7 @@ class SpeculatingFakeExecutor:
             sampled.append(rows[n])
             if self.sampling[seq.request_id].logprobs is not None:
                 logprobs += [TokenLogprob(t, -0.5) for t in rows[: n + 1]]
+        self.proposed = proposed
         return sampled, accepted, logprobs
 
 
@@ -97,10 +113,14 @@ def run(sched: Scheduler, max_steps: int = 5000) -> tuple[dict, dict]:
             break
         step, chunks = scheduled
         for seq, chunk in zip(step.seqs, chunks, strict=True):  # the slots of proposals are the chunk's
-            assert seq.draft_token_ids == list(chunk.draft)
+            if chunk.proposed_by_executor:
+                assert seq.num_proposals == len(chunk.draft) and not seq.draft_token_ids
+            else:
+                assert seq.draft_token_ids == list(chunk.draft) and not seq.num_proposals
             assert len(seq.slot_mapping) == chunk.num_slots
         sampled, accepted, lps = executor.execute(step)
-        for req, delta in sched.process_results(chunks, sampled, logprobs=lps, num_accepted=accepted):
+        for req, delta in sched.process_results(chunks, sampled, logprobs=lps, num_accepted=accepted,
+                                                proposed=executor.proposed):
             outputs.setdefault(req.request_id, []).extend(delta.token_ids)
             logprobs.setdefault(req.request_id, []).extend(lp.token_id for lp in delta.logprobs)
         sched.check_invariants(at_rest=True)
@@ -111,8 +131,8 @@ def run(sched: Scheduler, max_steps: int = 5000) -> tuple[dict, dict]:
 
 
 def scheduler(num_blocks: int, block_size: int, k: int, mode: str = "recompute", swap_blocks: int = 0,
-              max_num_seqs: int = 8, prefix_caching: bool = True) -> Scheduler:
-    spec = SpeculativeConfig("ngram", k, 1, 3, disable_batch_size=max_num_seqs) if k else SpeculativeConfig()
+              max_num_seqs: int = 8, prefix_caching: bool = True, method: str = "ngram") -> Scheduler:
+    spec = SpeculativeConfig(method, k, 1, 3, disable_batch_size=max_num_seqs) if k else SpeculativeConfig()
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, preemption_mode=mode,
                              speculative=spec)
     return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching), HostBlockPool(swap_blocks))
@@ -138,6 +158,31 @@ def test_speculation_gives_the_same_tokens_and_accepts_some():
     assert stats.spec_decode_num_draft_tokens_total > stats.spec_decode_num_accepted_tokens_total > 0
     assert sched.blocks.num_used_blocks == 0
     del plain
+
+
+def test_draft_proposals_come_from_the_result_and_give_the_same_tokens():
+    reqs = [request(f"r{i}", 7 + 5 * i, 30 + 3 * i) for i in range(4)]
+    sched = scheduler(64, 4, 3, method="draft")
+    for r in reqs:
+        sched.add_request(r)
+    outputs, _ = run(sched)
+    assert outputs == {r.request_id: reference(r.prompt_token_ids, r.params.max_tokens) for r in reqs}
+    stats = sched.stats()
+    assert stats.spec_decode_num_draft_tokens_total > stats.spec_decode_num_accepted_tokens_total > 0
+
+
+def test_a_result_without_the_proposals_fails_only_its_request():
+    sched = scheduler(64, 4, 3, method="draft")
+    for rid in ("a", "b"):
+        sched.add_request(request(rid, 9, 12))
+    step, chunks = sched.schedule()
+    sched.process_results(chunks, [5] * len(chunks))
+    step, chunks = sched.schedule()
+    assert [s.num_proposals for s in step.seqs] == [3, 3]
+    out = sched.process_results(chunks, [5, 6], num_accepted=[0, 0], proposed=[[7, 8, 9], [7, 8]])
+    assert [req.request_id for req, _ in out] == ["a"]
+    assert [r.request_id for r in sched.take_failed()] == ["b"]
+    sched.check_invariants()
 
 
 def test_logprobs_max_tokens_and_opt_out_see_exactly_the_accepted_tokens():
@@ -192,11 +237,12 @@ def test_a_step_ahead_never_follows_a_speculating_step():
     mode=st.sampled_from(["recompute", "swap"]),
     prefix_caching=st.booleans(),
     lens=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 30)), min_size=1, max_size=5),
+    method=st.sampled_from(["ngram", "draft"]),
 )
 def test_rollback_across_block_boundaries_keeps_outputs_and_invariants(block_size, num_blocks, k, mode,
-                                                                       prefix_caching, lens):
+                                                                       prefix_caching, lens, method):
     sched = scheduler(num_blocks, block_size, k, mode, swap_blocks=64, max_num_seqs=4,
-                      prefix_caching=prefix_caching)
+                      prefix_caching=prefix_caching, method=method)
     reqs = []
     for i, (prompt_len, max_tokens) in enumerate(lens):
         r = request(f"r{i}", prompt_len, max_tokens)
