@@ -42,7 +42,7 @@ def default_out(seed: int) -> Path:
 
 
 def tensor_shapes(shape: dict, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(GGUF name, numpy shape = (rows, columns) = (out, in)) in the order of SmolLM2's GGUF."""
+    """(GGUF name, numpy shape = (rows, columns) = (out, in)) of every tensor, as in SmolLM2's GGUF."""
     hidden, ffn = shape["embedding_length"], shape["feed_forward_length"]
     kv = shape["attention.head_count_kv"] * hidden // shape["attention.head_count"]
     out = [("token_embd.weight", (vocab, hidden))]
