@@ -287,7 +287,8 @@ def serve(kind: str, args, plan: list[Point], tokenizer) -> dict:
                         _log(f"{kind} {label}: {out['points'][c]['error']}")
                         continue
                     out["points"][c] = rec
-                    _log(f"{kind} {label}: {rec['output_tok_s']:.1f} tok/s, TTFT p50 {rec['ttft_s'].get('median')} s, "
+                    ttft = rec["ttft_s"].get("median") or math.nan
+                    _log(f"{kind} {label}: {rec['output_tok_s']:.1f} tok/s, TTFT p50 {1000 * ttft:.0f} ms, "
                          f"{rec['completed']} ok, {rec['failed']} failed of {rec['sent']} "
                          f"({time.monotonic() - began:.0f} s)")
         except (RuntimeError, SystemExit, OSError, ValueError) as err:
