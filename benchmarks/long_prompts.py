@@ -75,18 +75,19 @@ def _ratio(ours, theirs):
     return ours / theirs if ours and theirs else None
 
 
-def _ms(rec: dict, key: str, stat: str = "median"):
-    value = rec.get(key, {}).get(stat)
-    return None if value is None else value * 1000
+def _at(rec: dict, key: str, stat: str = "median", scale: float = 1.0):
+    value = (rec or {}).get(key, {}).get(stat)
+    return None if value is None else value * scale
 
 
 def table(servers: dict, plan: list[Point]) -> str:
-    headers = ["prompt tokens", "C", "server", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "out tok/s",
+    headers = ["prompt tokens", "C", "server", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "out tok/s",
                "prefill tok/s", "pagedserve / this TTFT p50", "pagedserve / this TPOT p50",
                "pagedserve / this prefill tok/s", "failed"]
     rows = []
     for p in plan:
         ours = servers.get("pagedserve", {}).get("points", {}).get(p.key, {})
+        ours = None if "error" in ours else ours
         label = f"{p.prompt_range[0]}-{p.prompt_range[1]}"
         for name, s in servers.items():
             rec = s["points"].get(p.key)
@@ -94,12 +95,10 @@ def table(servers: dict, plan: list[Point]) -> str:
                 why = s["unavailable"] or (rec or {}).get("error") or "not run"
                 rows.append([label, p.concurrency, name, f"unavailable: {why}", *[None] * (len(headers) - 4)])
                 continue
-            prefill = rec["prefill_tok_s"].get("median")
-            rows.append([label, p.concurrency, name, _ms(rec, "ttft_s"), _ms(rec, "ttft_s", "p99"),
-                         _ms(rec, "tpot_s"), rec["output_tok_s"], prefill,
-                         _ratio(_ms(ours, "ttft_s") if ours and "error" not in ours else None, _ms(rec, "ttft_s")),
-                         _ratio(_ms(ours, "tpot_s") if ours and "error" not in ours else None, _ms(rec, "tpot_s")),
-                         _ratio(ours.get("prefill_tok_s", {}).get("median"), prefill), rec["failed"]])
+            ttft, tpot, prefill = _at(rec, "ttft_s"), _at(rec, "tpot_s", scale=1000), _at(rec, "prefill_tok_s")
+            rows.append([label, p.concurrency, name, ttft, _at(rec, "ttft_s", "p99"), tpot, rec["output_tok_s"],
+                         prefill, _ratio(_at(ours, "ttft_s"), ttft), _ratio(_at(ours, "tpot_s", scale=1000), tpot),
+                         _ratio(_at(ours, "prefill_tok_s"), prefill), rec["failed"]])
     return report.markdown_table(headers, rows)
 
 

@@ -64,7 +64,7 @@ def test_table_gives_pagedserve_over_each_server():
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in long_prompts.table(servers, plan).splitlines()
             if line.startswith("| ")][1:]
     by = {r[2]: r for r in rows}
-    assert [float(x) for x in by["vllm"][3:11]] == [500.0, 1000.0, 40.0, 10.0, 2000.0, 2.0, 0.5, 0.25]
+    assert [float(x) for x in by["vllm"][3:11]] == [0.5, 1.0, 40.0, 10.0, 2000.0, 2.0, 0.5, 0.25]
     assert [float(x) for x in by["pagedserve"][8:11]] == [1.0, 1.0, 1.0]
     assert by["llamacpp"][3] == "unavailable: not installed"
 
