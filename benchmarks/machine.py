@@ -5,7 +5,8 @@ instructions, torch's threads, and the GEMM rate torch reaches for a model's sha
 (intermediate x hidden), the bulk of a decoder's matmuls, and returns GFLOP/s
 (2 x rows x in x out per call). `matmul_params` counts the weights a token multiplies by
 (every decoder Linear and the LM head): a decode step of B tokens does 2 x B x that many
-FLOPs, so GEMM rate / (2 x params) is the tok/s those matmuls allow.
+FLOPs, so GEMM rate / (2 x params) is the tok/s those matmuls allow. `prefill_ceiling` is
+the prompt tok/s the best rate allows with attention's FLOPs counted too.
 """
 
 from __future__ import annotations
@@ -99,3 +100,18 @@ def gemm_table(config, rows: tuple[int, ...] = (64, 1024), dtypes=(torch.float32
                         "shape": [config.intermediate_size, config.hidden_size], "matmul_params": params,
                         "tok_s_ceiling": rate * 1e9 / (2 * params)})
     return out
+
+
+def attention_flops_per_token(config, prompt_len: float) -> float:
+    """QK^T and PV of one prompt token, averaged over a causal prompt of `prompt_len` tokens."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2.0 * config.num_hidden_layers * config.num_attention_heads * head_dim * prompt_len
+
+
+def prefill_ceiling(gemm: list[dict], head: int, config, prompt_len: float) -> float | None:
+    """Prompt tok/s the best GEMM rate measured allows on prompts of `prompt_len` tokens: every
+    matmul but the LM head, and attention, at that rate."""
+    if not gemm:
+        return None
+    rate = max(g["gflops"] for g in gemm) * 1e9
+    return rate / (2.0 * (gemm[0]["matmul_params"] - head) + attention_flops_per_token(config, prompt_len))

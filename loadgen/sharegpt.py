@@ -3,6 +3,7 @@
 The packaged JSON array is cut off part-way through its last record, so it is read record
 by record and whatever follows the last complete record is skipped. Each request is a
 conversation's first turn; its output length is the token count of the recorded answer.
+`conversations` gives whole conversations instead, for long prompts (longprompts.py).
 """
 
 from __future__ import annotations
@@ -58,6 +59,19 @@ def first_turns(path: Path | None = None) -> list[tuple[str, str]]:
         if len(turns) >= 2:
             pairs.append((str(turns[0].get("value", "")), str(turns[1].get("value", ""))))
     return pairs
+
+
+@functools.lru_cache(maxsize=2)
+def conversations(path: Path | None = None) -> list[str]:
+    """Every conversation's turns joined by blank lines, in file order (long prompts, longprompts.py)."""
+    text = (path or dataset_file()).read_bytes().decode("utf-8", errors="replace")
+    out = []
+    for record in parse_truncated_array(text):
+        turns = [str(t.get("value", "")).strip() for t in record.get("conversations") or []]
+        joined = "\n\n".join(t for t in turns if t)
+        if joined:
+            out.append(joined)
+    return out
 
 
 def sharegpt_requests(pairs: list[tuple[str, str]], tokenizer: Tokenizer, rng: random.Random,

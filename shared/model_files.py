@@ -70,12 +70,13 @@ def _converted_gguf(gguf: Path) -> Path:
     with open(out / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # several stages may start at once
         if not done.exists():
-            _convert(gguf, out)
+            convert_gguf(gguf, out)
             done.touch()
     return out
 
 
-def _convert(gguf: Path, out: Path) -> None:
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """The GGUF dequantized into an HF directory: float32 safetensors, config and tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,9 +1,9 @@
 """Start a peer as a process group on a free 127.0.0.1 port, wait until it answers, stop it.
 
 pagedserve runs from this interpreter; vLLM from its own venv (setup_vllm.sh); the others
-from the peers' venv; all with the model files this venv resolves (`resolve_model("smollm2")`
-and the GGUF it was converted from), so every peer reads the same weights. `options` are
-extra flags for the peer's own launcher (e.g. llama.cpp's `--parallel 64 --split-kv`).
+from the peers' venv; all with the model files this venv resolves (`model_files`: the HF
+directory `resolve_model` gives and the GGUF beside it), so every peer reads the same weights.
+`options` are extra flags for the peer's own launcher (e.g. llama.cpp's `--parallel 64 --split-kv`).
 """
 
 from __future__ import annotations
@@ -45,30 +45,50 @@ def vllm_python() -> Path | None:
     return None
 
 
+def model_files(model: str) -> tuple[Path, Path | None]:
+    """(HF directory, GGUF or None) of pagedserve's `--model`: for `smollm2` or a GGUF file, the
+    GGUF and the directory pagedserve converts it into; for a directory (benchmarks/make_1b_model.py
+    writes one), itself and the one GGUF inside it, if any (none: llama.cpp cannot serve it)."""
+    from shared.model_files import ALIASES, resolve_model, smollm2_gguf_path
+
+    hf = resolve_model(model)
+    if model in ALIASES:
+        return hf, smollm2_gguf_path()
+    path = Path(model).expanduser()
+    if path.is_file():
+        return hf, path
+    ggufs = sorted(path.glob("*.gguf"))
+    return hf, ggufs[0] if len(ggufs) == 1 else None
+
+
 def command(kind: str, port: int, threads: int | None = None, options: tuple[str, ...] = (),
             model: str = "smollm2") -> list[str]:
     """The command line; `threads` sets every server's compute threads alike (default: its own);
-    `model` is pagedserve's (the peers always serve SmolLM2)."""
-    from shared.model_files import resolve_model, smollm2_gguf_path
+    every server serves `model` (pagedserve's `--model`; the others its files, `model_files`)."""
+    from shared.model_files import default_served_name
 
     extra = [] if threads is None else [f"--{'executor-threads' if kind == 'pagedserve' else 'threads'}", str(threads)]
     extra += list(options)
     if kind == "pagedserve":
         return [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", str(port), *extra]
+    if kind not in KINDS:
+        raise ValueError(f"unknown peer {kind!r}; choose from {', '.join(KINDS)}")
+    hf, gguf = model_files(model)
+    name = ["--served-model-name" if kind == "vllm" else "--alias", default_served_name(model)]
     if kind == "vllm":
         python = vllm_python()
         if python is None:
             raise SystemExit("no venv with vLLM: run `bash loadgen/peers/setup_vllm.sh` first")
-        return [str(python), "-m", "loadgen.peers.vllm_server", "--port", str(port),
-                "--model-dir", str(resolve_model("smollm2")), *extra]
+        return [str(python), "-m", "loadgen.peers.vllm_server", "--port", str(port), "--model-dir", str(hf),
+                *name, *extra]
     if kind in ("transformers", "transformers-cb"):
         cmd = [str(peers_python()), "-m", "loadgen.peers.transformers_serve", "--port", str(port),
-               "--model-dir", str(resolve_model("smollm2"))]
+               "--model-dir", str(hf)]
         return cmd + (["--continuous-batching"] if kind == "transformers-cb" else []) + extra
-    if kind == "llamacpp":
-        return [str(peers_python()), "-m", "loadgen.peers.llamacpp_server", "--port", str(port),
-                "--gguf", str(smollm2_gguf_path()), *extra]
-    raise ValueError(f"unknown peer {kind!r}; choose from {', '.join(KINDS)}")
+    if gguf is None:
+        raise SystemExit(f"llama.cpp needs a GGUF: none (or several) in {model}")
+    return [str(peers_python()), "-m", "loadgen.peers.llamacpp_server", "--port", str(port), "--gguf", str(gguf),
+            *name, *extra]
 
 
 class Peer:

@@ -68,7 +68,8 @@ def preloads() -> list[str]:
 
 def describe(args: argparse.Namespace) -> str:
     bind = "all cores" if args.bind == "all" else "vLLM's auto binding"
-    return (f"vLLM CPU, {args.dtype or best_dtype(cpu_flags())}, max {args.max_num_seqs} seqs, "
+    context = f", max model len {args.max_model_len}" if args.max_model_len else ""
+    return (f"vLLM CPU, {args.dtype or best_dtype(cpu_flags())}, max {args.max_num_seqs} seqs{context}, "
             f"{args.kv_cache_gib:g} GiB KV, OpenMP on {bind}")
 
 
@@ -80,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 with AMX/AVX512-BF16, else float32")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
+    parser.add_argument("--max-model-len", type=int, default=None, help="context (default: the model's)")
     parser.add_argument("--bind", choices=("all", "auto"), default="all")
     parser.add_argument("--threads", type=int, default=None, help="cores for its OpenMP threads (default: all)")
     return parser.parse_args(argv)
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model_dir),
            "--served-model-name", args.served_model_name, "--host", "127.0.0.1", "--port", str(args.port),
            "--dtype", args.dtype or best_dtype(cpu_flags()), "--max-num-seqs", str(args.max_num_seqs)]
+    if args.max_model_len:
+        cmd += ["--max-model-len", str(args.max_model_len)]
     print(describe(args), "|", " ".join(cmd), "| LD_PRELOAD", env.get("LD_PRELOAD"), flush=True)
     os.execve(cmd[0], cmd, env)
 

@@ -48,3 +48,21 @@ def test_missing_peers_venv_says_how_to_make_it(tmp_path, monkeypatch):
     monkeypatch.setenv("LOADGEN_PEERS_VENV", str(tmp_path / "nowhere"))
     with pytest.raises(SystemExit, match="setup_venv.sh"):
         launch.peers_python()
+
+
+def test_a_model_directory_brings_its_one_gguf_to_llamacpp(tmp_path, monkeypatch):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").touch()
+    monkeypatch.setenv("LOADGEN_PEERS_VENV", str(tmp_path))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert launch.model_files(str(model)) == (model, None)
+    with pytest.raises(SystemExit, match="needs a GGUF"):
+        launch.command("llamacpp", 9005, model=str(model))
+    (model / "m.Q4_1.gguf").touch()
+    assert launch.model_files(str(model)) == (model, model / "m.Q4_1.gguf")
+    llama = launch.command("llamacpp", 9005, model=str(model))
+    assert llama[llama.index("--gguf") + 1] == str(model / "m.Q4_1.gguf") and llama[llama.index("--alias") + 1] == "m"
+    (model / "other.gguf").touch()
+    assert launch.model_files(str(model))[1] is None  # which one is meant is not guessed
