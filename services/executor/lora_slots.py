@@ -58,14 +58,19 @@ class ExecutorLoras:
             token_slots += [slot] * n
         groups = [(rows, self.slots[slot]) for slot, rows in row_groups(token_slots, self.device)]
         batch = LoraBatch(groups, failed)
-        # one contiguous group is two matmuls on a slice already: only mixed or scattered rows gain
-        if len(groups) > 1 or (groups and not isinstance(groups[0][0], slice)):
-            if self._stacked is None:
-                self._stacked = StackedSlots(self.slots, self.device, self.dtype)
-            batch.stacked = stacked = self._stacked
+        if not groups:
+            return batch
+        if self._stacked is None:
+            self._stacked = StackedSlots(self.slots, self.device, self.dtype)
+        stacked = self._stacked
+        # the kernel takes any rows in one call; for the torch forms one contiguous group is two
+        # matmuls on a slice already: only mixed or scattered rows gain from the stacked form
+        if stacked.use_kernel or len(groups) > 1 or not isinstance(groups[0][0], slice):
+            batch.stacked = stacked
             if stacked.use_kernel:
-                batch.cols = stacked.layouts.row_cols(token_slots)
-            batch.masks = stacked.layouts.masks(torch.tensor(token_slots, device=self.device), self.dtype)
+                batch.rows, batch.kernel_groups = stacked.layouts.groups(token_slots)
+            if stacked.any_torch:
+                batch.masks = stacked.layouts.masks(torch.tensor(token_slots, device=self.device), self.dtype)
         return batch
 
     def _fill(self, slot: int, adapter) -> None:
