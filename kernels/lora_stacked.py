@@ -100,7 +100,12 @@ def stack_targets(targets: list[tuple[int, LoraTarget]], layouts: StackedLayouts
         return None
     a = torch.cat([t.a for _, t in targets], 0).to(dtype).contiguous()
     bt = torch.cat([t.b for _, t in targets], 1).t().to(dtype).contiguous()
-    return StackedTarget(a, bt, layouts.index([(slot, t.a.shape[0]) for slot, t in targets]), column_blocks(bt),
+    blocks, c0 = [], 0
+    for _, t in targets:
+        own = t.blocks if t.blocks is not None else column_blocks(t.b.t())
+        blocks.append(own + torch.tensor([c0, c0, 0, 0]))
+        c0 += t.a.shape[0]
+    return StackedTarget(a, bt, layouts.index([(slot, t.a.shape[0]) for slot, t in targets]), torch.cat(blocks),
                          kernel)
 
 

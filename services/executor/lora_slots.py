@@ -98,6 +98,7 @@ def _to_device(weights: LoraWeights, device: torch.device) -> LoraWeights:
     from kernels.lora import LoraTarget
 
     def move(t):
-        return None if t is None else LoraTarget(t.a.to(device, non_blocking=True), t.b.to(device, non_blocking=True))
+        return None if t is None else LoraTarget(t.a.to(device, non_blocking=True), t.b.to(device, non_blocking=True),
+                                               t.blocks)
 
     return weights._replace(layers=[LayerLora(*(move(t) for t in layer)) for layer in weights.layers])

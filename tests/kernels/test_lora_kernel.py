@@ -33,10 +33,13 @@ def fused_target(ranks: list[int], fan_in: int, outs: list[int], seed: int, dtyp
     a = torch.randn(sum(ranks), fan_in, generator=g)
     b = torch.zeros(sum(outs), sum(ranks))
     r0 = o0 = 0
+    blocks = []
     for r, size in zip(ranks, outs, strict=True):
         b[o0 : o0 + size, r0 : r0 + r] = torch.randn(size, r, generator=g)
+        if r:
+            blocks.append((r0, r0 + r, o0, o0 + size))
         r0, o0 = r0 + r, o0 + size
-    return LoraTarget(a.to(dtype), b.to(dtype))
+    return LoraTarget(a.to(dtype), b.to(dtype), torch.tensor(blocks))
 
 
 def ragged_case(seed: int, dtype):
@@ -143,8 +146,14 @@ def test_cpu_kernel_rows_are_independent_of_the_batch():
 
 def test_column_blocks_skip_the_zero_blocks_of_b():
     t = fused_target([2, 0, 3], 8, [32, 5, 16], 0, torch.float32)
+    assert column_blocks(t.b.t().contiguous()).tolist() == t.blocks.tolist() == [[0, 2, 0, 32], [2, 5, 37, 53]]
     t.b[:, 4] = 0  # an all-zero column: an empty range
     assert column_blocks(t.b.t().contiguous()).tolist() == [[0, 2, 0, 32], [2, 4, 37, 53], [4, 5, 0, 0]]
+    # stacked: each target's blocks (declared, or found from its B) at its columns
+    layouts = StackedLayouts()
+    stacked = stack_targets([(0, LoraTarget(t.a, t.b)), (1, fused_target([1, 2, 0], 8, [32, 5, 16], 1,
+                                                                          torch.float32))], layouts)
+    assert stacked.blocks.tolist() == [[0, 2, 0, 32], [2, 4, 37, 53], [4, 5, 0, 0], [5, 6, 0, 32], [6, 8, 32, 37]]
 
 
 def test_layouts_are_shared_by_equal_column_slots():
