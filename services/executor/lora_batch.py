@@ -2,7 +2,8 @@
 slot and, where the executor has one, its stacked table and the step's masks;
 `LoraBatch.layer(i)` gives layer i's `LayerDeltas`, whose `add(proj, x, out)` adds the
 deltas of one fused projection (0 q/k/v, 1 o, 2 gate/up, 3 down: `LayerLora`'s order) by
-the C++ kernel where it is built (on the CPU: every step), else by the stacked torch form
+the C++ kernel where it is built (on the CPU: every step; a long contiguous run of one
+adapter's rows, a prompt's, by two matmuls on its slice instead), else by the stacked torch form
 where that projection is stacked and the step mixes adapters or scatters their rows, else
 by the grouped form.
 """
@@ -32,6 +33,7 @@ class LoraBatch:
     masks: list[Tensor] | None = None  # per layout, for the torch form
     rows: Tensor | None = None  # for the C++ kernel: the rows under adapters, grouped by slot
     kernel_groups: list[Tensor] | None = None  # per layout, for the C++ kernel: its groups of `rows`
+    runs: list[tuple[slice, LoraWeights]] = field(default_factory=list)  # long runs the kernel leaves to torch
 
     def layer(self, index: int) -> LayerDeltas | None:
         return LayerDeltas(self, index) if self.groups else None
@@ -47,7 +49,10 @@ class LayerDeltas(NamedTuple):
             target = batch.stacked.layers[self.index][proj]
             if target is not None:
                 if target.kernel:
-                    add_lora_stacked_cpu(x, out, target, batch.rows, batch.kernel_groups[target.layout])
+                    if len(batch.rows):
+                        add_lora_stacked_cpu(x, out, target, batch.rows, batch.kernel_groups[target.layout])
+                    if batch.runs:
+                        add_lora(x, out, [(rows, weights.layers[self.index][proj]) for rows, weights in batch.runs])
                 else:
                     add_lora_stacked(x, out, target, batch.masks[target.layout])
                 return

@@ -11,7 +11,8 @@
 // Work items are tiles of up to kTile rows of one group: a tile reads its slot's A and B once for
 // all its rows (register blocking), accumulates in float32 and adds to out once per element.
 // Weights are float32 or bfloat16 (half the bytes; read by a shift), out and x float32, bfloat16
-// or float16. Tiles go to torch's OpenMP threads when the call has enough work to pay for the fork.
+// or float16. Tiles go to torch's OpenMP threads when the call has enough work to pay for the fork
+// (kParallelWork).
 #include "common.h"
 #include "vec.h"
 
@@ -24,9 +25,12 @@ namespace pagedserve {
 namespace {
 
 constexpr int kTile = 4;
-// fused multiply-adds below which a call stays on the calling thread (a fork and join costs
-// microseconds, far more on a host where the other core is busy)
-constexpr int64_t kParallelWork = 1 << 17;
+// fused multiply-adds (as rows x columns x (in + out)) below which a call stays on the calling
+// thread: a fork and join costs microseconds on a quiet host, but up to a scheduler quantum where
+// other processes hold the other core (measured: ~20 ms per call on a 2-core host at load 14,
+// against 4-80 us of arithmetic). 4M keeps every projection of a 64-row SmolLM2 decode step at
+// rank 8 (gate/up: 3.7M, ~80 us) on one thread, and splits prompt chunks.
+constexpr int64_t kParallelWork = 1 << 22;
 
 template <typename T>
 inline float to_float(T v) {
