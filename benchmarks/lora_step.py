@@ -4,12 +4,14 @@ and under k distinct adapters of rank r, the i-th row under adapter i mod k (as 
 scheduler interleaves them). No server, no scheduler: this isolates the executor's cost.
 
     .venv/bin/python -m benchmarks.lora_step [--model smollm2] [--rows 16,64] [--cases 1x8,4x8,16x8,4x64]
-                                             [--forms grouped,torch,kernel]
+                                             [--forms grouped,torch,kernel] [--threads N]
 
 Forms: `grouped` runs every projection by `kernels.lora.add_lora` (per adapter group, the
 form before stacking), `torch` by `kernels.lora_stacked`'s torch form where the executor
-stacks, `kernel` by its C++ kernel where it takes the projection, `auto` as the executor
-does by default. Each case's forms alternate
+stacks, `kernel` by the C++ kernel (`lora_grouped`, the executor's default on the CPU),
+`auto` as the executor does by default. `--threads` sets torch's threads (as
+`--executor-threads` does; on a host crowded by other jobs one thread spares the steps the
+waits of a second one that is not running). Each case's forms alternate
 with a base step, round after round, so a burst of load from another process slows all
 alike; printed: median ms of each and their ratio (base / LoRA: the share of the base
 model's throughput a LoRA step keeps).
@@ -72,7 +74,10 @@ def main() -> None:
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--forms", default="grouped,torch,kernel")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from transformers import AutoConfig
 
     model_dir = resolve_model(args.model)
@@ -90,7 +95,8 @@ def main() -> None:
                 if not path.exists():
                     write_adapter(path, base, rank, i, default_served_name(args.model))
                 adapters[k, rank].append(LoraAdapter(path.name, str(path), read_adapter(path).digest))
-        print(f"{args.model} ({runner.dtype}): decode step ms, median of {args.rounds} (base / LoRA ratio)")
+        print(f"{args.model} ({runner.dtype}, {torch.get_num_threads()} threads): decode step ms, median of "
+              f"{args.rounds} (base / LoRA ratio)")
         for rows in (int(r) for r in args.rows.split(",")):
             base_step = decode_step(rows, args.context, runner.block_size, runner.num_kv_blocks)
             for k, rank in cases:

@@ -27,6 +27,8 @@ from torch import Tensor
 class LoraTarget:
     a: Tensor  # [sum of ranks, in_features]
     b: Tensor  # [out_features, sum of ranks], block-diagonal over the parts, scaling folded in
+    # [parts, 4] int64 (c0, c1, n0, n1): B's columns [c0, c1) are zero outside rows [n0, n1) (None: not known)
+    blocks: Tensor | None = None
 
 
 Rows = slice | Tensor  # a group's token rows

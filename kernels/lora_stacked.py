@@ -17,9 +17,12 @@ projection's in_features (`services.executor.lora_stack` decides when); masks de
 the step's rows and the columns' slots, so one per distinct column layout serves every
 layer.
 
-On the CPU, `add_lora_stacked_cpu` runs the same by the C++ backend's `lora_stacked`
-(kernels/cpu/csrc/lora.cpp): one call per projection, each row through its own slot's
-columns only (no mask, no wasted columns), float32 targets.
+On the CPU, `add_lora_stacked_cpu` runs the same by the C++ backend's `lora_grouped`
+(kernels/cpu/csrc/lora.cpp): one call per projection, the step's rows grouped by slot
+(`StackedLayouts.groups`), each group through its own slot's columns only (no mask, no
+wasted columns), a slot's A and B read once per tile of rows and never the zero blocks of
+a fused projection's B (`StackedTarget.blocks`), float32 accumulation. Its reference is
+`kernels.lora.add_lora_reference`, as for the torch forms.
 """
 
 from __future__ import annotations
@@ -38,11 +41,8 @@ class StackedTarget:
     a: Tensor  # [R, in_features]: the slots' A, one after another
     bt: Tensor  # [R, out_features]: their B (scaling folded in) matching a's rows, transposed
     layout: int  # index of this target's column slots in its `StackedLayouts`
-
-    @property
-    def for_kernel(self) -> bool:
-        """Float32 on the CPU: for `add_lora_stacked_cpu`."""
-        return self.a.dtype == torch.float32 and self.a.device.type == "cpu" and cpu_kernel() is not None
+    blocks: Tensor  # [nb, 4] int64 (c0, c1, n0, n1): columns [c0, c1) of bt are zero outside outputs [n0, n1)
+    kernel: bool = False  # run by `add_lora_stacked_cpu` (else by `add_lora_stacked`)
 
 
 class StackedLayouts:
@@ -74,22 +74,56 @@ class StackedLayouts:
         return [(row_slots[:, None] == cols[None, :]).to(dtype) for cols in self.col_slots]
 
 
-    def row_cols(self, row_slots: list[int]) -> list[Tensor]:
-        """One [rows, 2] int64 tensor per layout: each row's column range (empty for a base row),
-        for the C++ kernel."""
-        return [torch.tensor([ranges.get(slot, (0, 0)) for slot in row_slots], dtype=torch.long)
-                for ranges in self.ranges]
+    def groups(self, row_slots: list[int]) -> tuple[Tensor, list[Tensor]]:
+        """The rows for the C++ kernel: the indices of the rows under a slot, grouped by slot (base
+        rows left out), and one [groups, 4] int64 tensor per layout: each group's rows [begin, end)
+        in those indices and its slot's columns [begin, end) in the layout (empty where the layout
+        has no columns of that slot)."""
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(row_slots):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).append(row)
+        order, spans = [], []
+        for slot, rows in by_slot.items():
+            spans.append((slot, len(order), len(order) + len(rows)))
+            order += rows
+        groups = [torch.tensor([(begin, end, *ranges.get(slot, (0, 0))) for slot, begin, end in spans],
+                               dtype=torch.long).view(-1, 4) for ranges in self.ranges]
+        return torch.tensor(order, dtype=torch.long), groups
 
 
 def stack_targets(targets: list[tuple[int, LoraTarget]], layouts: StackedLayouts,
-                  dtype: torch.dtype | None = None) -> StackedTarget | None:
+                  dtype: torch.dtype | None = None, kernel: bool = False) -> StackedTarget | None:
     """The (slot, target) pairs of one projection side by side, in `dtype` (theirs if None);
-    None if there are none."""
+    None if there are none. kernel: for the C++ kernel (CPU tensors, float32 or bfloat16)."""
     if not targets:
         return None
     a = torch.cat([t.a for _, t in targets], 0).to(dtype).contiguous()
     bt = torch.cat([t.b for _, t in targets], 1).t().to(dtype).contiguous()
-    return StackedTarget(a, bt, layouts.index([(slot, t.a.shape[0]) for slot, t in targets]))
+    blocks, c0 = [], 0
+    for _, t in targets:
+        own = t.blocks if t.blocks is not None else column_blocks(t.b.t())
+        blocks.append(own + torch.tensor([c0, c0, 0, 0]))
+        c0 += t.a.shape[0]
+    return StackedTarget(a, bt, layouts.index([(slot, t.a.shape[0]) for slot, t in targets]), torch.cat(blocks),
+                         kernel)
+
+
+def column_blocks(bt: Tensor) -> Tensor:
+    """[nb, 4] int64 (c0, c1, n0, n1): runs of bt's rows (B's columns) whose non-zeros all lie in
+    outputs [n0, n1) (an all-zero column: an empty range), so a kernel skips B's zero blocks."""
+    nonzero = bt.ne(0).cpu()
+    any_nz = nonzero.any(1)
+    n = bt.shape[1]
+    first = torch.where(any_nz, nonzero.int().argmax(1), 0)
+    last = torch.where(any_nz, n - nonzero.flip(1).int().argmax(1), 0)
+    blocks: list[list[int]] = []
+    for c, (n0, n1) in enumerate(zip(first.tolist(), last.tolist(), strict=True)):
+        if blocks and blocks[-1][1] == c and blocks[-1][2:] == [n0, n1]:
+            blocks[-1][1] = c + 1
+        else:
+            blocks.append([c, c + 1, n0, n1])
+    return torch.tensor(blocks, dtype=torch.long).view(-1, 4)
 
 
 def add_lora_stacked(x: Tensor, out: Tensor, target: StackedTarget, mask: Tensor) -> None:
@@ -105,19 +139,22 @@ def add_lora_stacked(x: Tensor, out: Tensor, target: StackedTarget, mask: Tensor
 
 @functools.cache
 def cpu_kernel():
-    """The C++ backend's `lora_stacked` (float32 targets, CPU tensors), or None without it."""
+    """The C++ backend's `lora_grouped` (CPU tensors), or None without it."""
     from kernels.cpu.build import load
 
     ext = load()
-    return None if ext is None else getattr(ext, "lora_stacked", None)
+    return None if ext is None else getattr(ext, "lora_grouped", None)
 
 
-def add_lora_stacked_cpu(x: Tensor, out: Tensor, target: StackedTarget, cols: Tensor) -> None:
-    """The same by the C++ kernel, each row through its own columns only (cols: the layout's,
-    from `StackedLayouts.row_cols`; target in float32)."""
-    if out.is_contiguous():
-        cpu_kernel()(out, x.contiguous(), target.a, target.bt, cols)
+def add_lora_stacked_cpu(x: Tensor, out: Tensor, target: StackedTarget, rows: Tensor, groups: Tensor) -> None:
+    """The same by the C++ kernel, each group of rows through its own slot's columns only (rows and
+    groups: from `StackedLayouts.groups`, the groups of the target's layout; target in float32 or
+    bfloat16)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if out.stride(-1) == 1:
+        cpu_kernel()(out, x, target.a, target.bt, target.blocks, rows, groups)
     else:
         tmp = out.contiguous()
-        cpu_kernel()(tmp, x.contiguous(), target.a, target.bt, cols)
+        cpu_kernel()(tmp, x, target.a, target.bt, target.blocks, rows, groups)
         out.copy_(tmp)

@@ -2,9 +2,10 @@
 slot and, where the executor has one, its stacked table and the step's masks;
 `LoraBatch.layer(i)` gives layer i's `LayerDeltas`, whose `add(proj, x, out)` adds the
 deltas of one fused projection (0 q/k/v, 1 o, 2 gate/up, 3 down: `LayerLora`'s order) by
-the stacked form where that projection is stacked and the step mixes adapters or
-scatters their rows (on the CPU by the C++ kernel where it is built), else by the grouped
-form.
+the C++ kernel where it is built (on the CPU: every step; a long contiguous run of one
+adapter's rows, a prompt's, by two matmuls on its slice instead), else by the stacked torch form
+where that projection is stacked and the step mixes adapters or scatters their rows, else
+by the grouped form.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ class LoraBatch:
     failed: dict[int, str] = field(default_factory=dict)
     stacked: StackedSlots | None = None
     masks: list[Tensor] | None = None  # per layout, for the torch form
-    cols: list[Tensor] | None = None  # per layout, for the C++ kernel (float32 targets on the CPU)
+    rows: Tensor | None = None  # for the C++ kernel: the rows under adapters, grouped by slot
+    kernel_groups: list[Tensor] | None = None  # per layout, for the C++ kernel: its groups of `rows`
+    runs: list[tuple[slice, LoraWeights]] = field(default_factory=list)  # long runs the kernel leaves to torch
 
     def layer(self, index: int) -> LayerDeltas | None:
         return LayerDeltas(self, index) if self.groups else None
@@ -45,8 +48,11 @@ class LayerDeltas(NamedTuple):
         if batch.stacked is not None:
             target = batch.stacked.layers[self.index][proj]
             if target is not None:
-                if batch.cols is not None and target.for_kernel:
-                    add_lora_stacked_cpu(x, out, target, batch.cols[target.layout])
+                if target.kernel:
+                    if len(batch.rows):
+                        add_lora_stacked_cpu(x, out, target, batch.rows, batch.kernel_groups[target.layout])
+                    if batch.runs:
+                        add_lora(x, out, [(rows, weights.layers[self.index][proj]) for rows, weights in batch.runs])
                 else:
                     add_lora_stacked(x, out, target, batch.masks[target.layout])
                 return

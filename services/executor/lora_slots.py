@@ -4,7 +4,8 @@ device, filled from a host LRU of `max_cpu_loras` loaded adapters.
 The scheduler assigns the slots (`services.scheduler.lora_slots`) and every step names the
 adapter of each slot its rows use (`ExecuteStep.lora_slots`); `prepare` makes the slots hold
 them (from the LRU, else from disk) and groups the step's token rows by slot
-(`kernels.lora.row_groups`) into a `LoraBatch` the model adds the deltas of. The slots'
+(`kernels.lora.row_groups`; for the C++ kernel `StackedLayouts.groups`, long runs of one
+adapter left to torch) into a `LoraBatch` the model adds the deltas of. The slots'
 weights are also kept stacked (`lora_stack`), rebuilt when a slot changes, for steps that
 mix adapters or scatter their rows. An adapter that
 fails to load fails its rows alone (`LoraBatch.failed`, 400 naming it); those rows run as
@@ -28,6 +29,12 @@ from shared.lora_options import LoraOptions
 from shared.messages import ExecuteStep
 
 log = logging.getLogger(__name__)
+
+# a contiguous run of one adapter's rows (a prompt chunk) at least this long runs by two torch
+# matmuls on its slice rather than the C++ kernel: single-threaded on a 2-core AMX Xeon, bfloat16
+# SmolLM2 projections at rank 8, the kernel took 1.3x (gate/up) to 0.4x of torch's time at
+# 64 rows and 1.5-2.2x at 256
+TORCH_RUN_ROWS = 128
 
 
 class ExecutorLoras:
@@ -58,15 +65,35 @@ class ExecutorLoras:
             token_slots += [slot] * n
         groups = [(rows, self.slots[slot]) for slot, rows in row_groups(token_slots, self.device)]
         batch = LoraBatch(groups, failed)
-        # one contiguous group is two matmuls on a slice already: only mixed or scattered rows gain
-        if len(groups) > 1 or (groups and not isinstance(groups[0][0], slice)):
-            if self._stacked is None:
-                self._stacked = StackedSlots(self.slots, self.device, self.dtype)
-            batch.stacked = stacked = self._stacked
+        if not groups:
+            return batch
+        if self._stacked is None:
+            self._stacked = StackedSlots(self.slots, self.device, self.dtype)
+        stacked = self._stacked
+        # the kernel takes any rows in one call; for the torch forms one contiguous group is two
+        # matmuls on a slice already: only mixed or scattered rows gain from the stacked form
+        if stacked.use_kernel or len(groups) > 1 or not isinstance(groups[0][0], slice):
+            batch.stacked = stacked
             if stacked.use_kernel:
-                batch.cols = stacked.layouts.row_cols(token_slots)
-            batch.masks = stacked.layouts.masks(torch.tensor(token_slots, device=self.device), self.dtype)
+                kernel_slots = token_slots
+                if len(token_slots) >= TORCH_RUN_ROWS:
+                    kernel_slots, batch.runs = self._long_runs(token_slots)
+                batch.rows, batch.kernel_groups = stacked.layouts.groups(kernel_slots)
+            if stacked.any_torch:
+                batch.masks = stacked.layouts.masks(torch.tensor(token_slots, device=self.device), self.dtype)
         return batch
+
+    def _long_runs(self, token_slots: list[int]) -> tuple[list[int], list[tuple[slice, LoraWeights]]]:
+        """The runs of at least TORCH_RUN_ROWS rows of one slot (as slices, with their weights) and
+        the rows' slots with those runs taken out (-1) for the kernel."""
+        kernel_slots, runs, begin = list(token_slots), [], 0
+        for i in range(1, len(token_slots) + 1):
+            if i == len(token_slots) or token_slots[i] != token_slots[begin]:
+                if token_slots[begin] >= 0 and i - begin >= TORCH_RUN_ROWS:
+                    runs.append((slice(begin, i), self.slots[token_slots[begin]]))
+                    kernel_slots[begin:i] = [-1] * (i - begin)
+                begin = i
+        return kernel_slots, runs
 
     def _fill(self, slot: int, adapter) -> None:
         if not 0 <= slot < len(self.slots):
@@ -93,6 +120,7 @@ def _to_device(weights: LoraWeights, device: torch.device) -> LoraWeights:
     from kernels.lora import LoraTarget
 
     def move(t):
-        return None if t is None else LoraTarget(t.a.to(device, non_blocking=True), t.b.to(device, non_blocking=True))
+        return None if t is None else LoraTarget(t.a.to(device, non_blocking=True), t.b.to(device, non_blocking=True),
+                                               t.blocks)
 
     return weights._replace(layers=[LayerLora(*(move(t) for t in layer)) for layer in weights.layers])

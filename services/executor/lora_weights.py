@@ -86,12 +86,15 @@ def _fused_target(tensors: dict[str, Tensor], layer: int, parts: tuple[str, ...]
     a_all = torch.zeros(rank, fan_in, dtype=torch.float32)
     b_all = torch.zeros(out_size, rank, dtype=torch.float32)
     r0 = o0 = 0
+    blocks = []
     for proj, a, b in found:
         size = base.projections[proj][1]
         if a is not None:
             r = a.shape[0]
             a_all[r0 : r0 + r] = a.float()
             b_all[o0 : o0 + size, r0 : r0 + r] = b.float() * scaling
+            blocks.append((r0, r0 + r, o0, o0 + size))
             r0 += r
         o0 += size
-    return LoraTarget(a_all.to(dtype=dtype, device=device).contiguous(), b_all.to(dtype=dtype, device=device).contiguous())
+    return LoraTarget(a_all.to(dtype=dtype, device=device).contiguous(), b_all.to(dtype=dtype, device=device).contiguous(),
+                      torch.tensor(blocks, dtype=torch.long))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels.lora_stacked import cpu_kernel
-from services.executor import lora_stack
+from services.executor import lora_slots, lora_stack
 from services.executor.model_runner import ModelRunner
 from shared.lora_files import read_adapter
 from shared.lora_options import LoraOptions
@@ -103,17 +103,22 @@ def test_adapters_change_the_output(base, adapters):
     assert len({tuple(v) for v in outs.values()}) > 2
 
 
-@pytest.mark.parametrize("stacked_fraction,kernel_rank", [(0.0, 0), (0.5, 0), (100.0, 0), (0.5, 32), (100.0, 32),
-                                                          (100.0, 16)],
-                         ids=["grouped", "mixed", "stacked", "mixed-kernel", "stacked-kernel", "torch-and-kernel"])
-def test_mixed_batch_equals_each_alone(base, adapters, stacked_fraction, kernel_rank, monkeypatch):
+@pytest.mark.parametrize("stacked_fraction,kernel_rank,run_rows",
+                         [(0.0, 0, 0), (0.5, 0, 0), (100.0, 0, 0), (0.5, 32, 0), (100.0, 32, 0), (100.0, 16, 0),
+                          (100.0, 32, 5)],
+                         ids=["grouped", "mixed", "stacked", "mixed-kernel", "stacked-kernel", "torch-and-kernel",
+                              "kernel-and-runs"])
+def test_mixed_batch_equals_each_alone(base, adapters, stacked_fraction, kernel_rank, run_rows, monkeypatch):
     """Whichever projections are stacked (kernels.lora_stacked, by torch or by the C++ kernel, whose
-    rank limit leaves some projections to torch in the last case) and which grouped."""
+    rank limit leaves some projections to torch in "torch-and-kernel") and which grouped; in the
+    last case prompt runs of 5 rows and more of one adapter go by torch matmuls beside the kernel."""
     if kernel_rank and cpu_kernel() is None:
         pytest.skip("the C++ CPU kernels are not built")
     monkeypatch.setattr(lora_stack, "MAX_STACKED_FRACTION", stacked_fraction)
     monkeypatch.setattr(lora_stack, "USE_CPU_KERNEL", bool(kernel_rank))
     monkeypatch.setattr(lora_stack, "KERNEL_MAX_RANK", kernel_rank)
+    if run_rows:
+        monkeypatch.setattr(lora_slots, "TORCH_RUN_ROWS", run_rows)
     r = runner(base)
     slots = {f"a{i}": 3 - i for i in range(4)}  # slots in another order than the rows
     names = ["a0", None, "a1", "a2", "a0", "a3", None, "a1"]

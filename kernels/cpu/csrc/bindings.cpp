@@ -14,8 +14,8 @@ void rope_and_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tens
 void int8_group_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales);
 void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                const at::Tensor& mn);
-void lora_stacked(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
-                  const at::Tensor& cols);
+void lora_grouped(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+                  const at::Tensor& blocks, const at::Tensor& rows, const at::Tensor& groups);
 }  // namespace pagedserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -26,7 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &pagedserve::rope_and_cache, "RoPE on q and k in place; k and v into the cache");
   m.def("int8_group_linear", &pagedserve::int8_group_linear, "x @ (scales per group of 32 * int8 weight).T");
   m.def("q4_linear", &pagedserve::q4_linear, "x @ w.T for a packed Q4_1 weight, rows quantized to int8 per group");
-  m.def("lora_stacked", &pagedserve::lora_stacked, "out[i] += B (A x[i]) over row i's rank columns of stacked A, B^T");
+  m.def("lora_grouped", &pagedserve::lora_grouped,
+        "out[rows] += (x[rows] @ A_s^T) @ B_s^T per group of rows under one slot's columns of stacked A, B^T");
 }
 
 // The same kernels as dispatcher ops (torch.ops.pagedserve.*), for torch.compile: each names the
