@@ -1,0 +1,81 @@
+"""Long query chunks through torch's fused SDPA instead of the C++ paged kernel.
+
+The C++ kernel (csrc/paged_attention.cpp) computes attention with float32 FMAs, ~70
+GFLOPS on two AMX cores; torch's flash SDPA in bfloat16 runs its two matmuls on AMX
+(oneDNN/cpublas), several times faster once a chunk has enough query rows to fill its
+tiles. So a call's sequences whose chunk has at least `min_rows` new tokens get their
+context's K/V gathered out of the paged cache (a few MB a layer, against a quadratic
+amount of arithmetic) and go through SDPA, one sequence at a time; the others (decode
+rows, short chunks) go to the C++ kernel together, in one call.
+
+Causal alignment: a chunk's queries sit at positions ctx - q_len .. ctx - 1 and see keys
+0 .. their own position ("bottom-right"). A chunk starting at 0 uses SDPA's is_causal
+(top-left, the same thing there, and the kernel skips the masked tiles); a chunk
+after earlier context (chunked prefill, a prefix-cache hit) or under a sliding window
+passes an explicit boolean mask over the keys it can see.
+
+Not batch-invariant: a row's result depends on which path its chunk took, so
+`--deterministic` keeps the C++ kernel for every row (see `kernels.cpu.backend`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def attend(kernel: Callable, out: Tensor, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+           query_start_loc: Tensor, context_lens: Tensor, scale: float, sliding_window: int, min_rows: int) -> None:
+    """Fills out [tokens, heads, head_dim]: chunks of >= min_rows tokens by SDPA, the rest by
+    `kernel` (the C++ paged attention's signature: out first, sliding_window 0 for none)."""
+    starts = query_start_loc.tolist()
+    lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    long = [i for i, n in enumerate(lens) if n >= min_rows]
+    if not long:
+        kernel(out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window)
+        return
+    ctx_lens = context_lens.tolist()
+    short = [i for i, n in enumerate(lens) if 0 < n < min_rows]
+    if short:
+        rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in short])
+        sub_out = torch.empty(len(rows), *query.shape[1:], dtype=query.dtype)
+        qsl = torch.tensor([0, *torch.tensor([lens[i] for i in short]).cumsum(0).tolist()])
+        kernel(sub_out, query[rows], k_cache, v_cache, block_tables[short], qsl, context_lens[short], scale,
+               sliding_window)
+        out[rows] = sub_out
+    for i in long:
+        s, n = starts[i], lens[i]
+        o = chunk_attention(query[s : s + n], k_cache, v_cache, block_tables[i], ctx_lens[i], scale, sliding_window)
+        out[s : s + n] = o
+
+
+def chunk_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, ctx_len: int,
+                    scale: float, sliding_window: int) -> Tensor:
+    """query [q_len, heads, head_dim] at positions ctx_len - q_len .. ctx_len - 1 over its paged
+    context; returns [q_len, heads, head_dim] (a strided view of SDPA's output)."""
+    q_len, block_size = query.shape[0], k_cache.shape[1]
+    start = ctx_len - q_len
+    # the first key any of the chunk's queries sees
+    lo = max(0, start - sliding_window + 1) if sliding_window else 0
+    first_block = lo // block_size
+    blocks = block_table[first_block : -(-ctx_len // block_size)]
+    skip = lo - first_block * block_size
+    # [blocks, block_size, kv, d] -> [1, kv, keys, d]
+    k = k_cache[blocks].flatten(0, 1)[skip : ctx_len - first_block * block_size].permute(1, 0, 2)[None]
+    v = v_cache[blocks].flatten(0, 1)[skip : ctx_len - first_block * block_size].permute(1, 0, 2)[None]
+    if k.dtype != query.dtype:  # a cache in another dtype (--kv-cache-dtype) reads as the query's
+        k, v = k.to(query.dtype), v.to(query.dtype)
+    q = query.permute(1, 0, 2)[None]
+    if start == 0 and not sliding_window:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(start, ctx_len)[:, None]
+        k_pos = torch.arange(lo, ctx_len)
+        mask = k_pos <= q_pos
+        if sliding_window:
+            mask &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
