@@ -7,9 +7,10 @@ Eager calls go straight to the pybind functions; while torch.compile traces, eac
 calls the same kernel as a dispatcher op (`torch.ops.pagedserve.*`, see
 `kernels.custom_ops`), which dynamo keeps in its graph instead of breaking it.
 
-Paged attention sends sequences whose query chunk has at least DENSE_MIN_ROWS tokens to
-torch's SDPA (`kernels.cpu.dense_attention`); `row_invariant_paged_attention` is the C++
-kernel alone for every row, which `--deterministic` takes instead.
+Paged attention sends sequences whose query chunk has at least DENSE_MIN_ROWS tokens and
+DENSE_MIN_WORK query x context pairs to torch's SDPA (`kernels.cpu.dense_attention`);
+`row_invariant_paged_attention` is the C++ kernel alone for every row, which
+`--deterministic` takes instead.
 """
 
 from __future__ import annotations
@@ -25,12 +26,16 @@ from kernels.cpu.build import load
 from kernels.cpu.dense_attention import attend
 from kernels.custom_ops import cpu_ops
 
-# query tokens from which a chunk's attention runs through SDPA rather than the C++ kernel (bfloat16
-# and float32, SmolLM2's heads, 2 AMX cores; benchmarks/dense_prefill.py): see the README's figures
-DENSE_MIN_ROWS = 64
+# where a chunk's attention runs faster through SDPA than through the C++ kernel, in bfloat16 and float32
+# (`python -m benchmarks.dense_prefill`, SmolLM2's heads, one layer, 1 thread of an AMX Xeon): 16 rows
+# over 256 keys of earlier context 1.4-1.9x faster by SDPA, 8 rows even; from position 0 (q_len x q_len)
+# SDPA's ~0.05 ms a call pays from ~48 rows (bfloat16) or ~64 (float32): 4096 pairs
+DENSE_MIN_ROWS = 16
+DENSE_MIN_WORK = 4096
 
 
-def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS) -> AttentionBackend:
+def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int = DENSE_MIN_WORK,
+                 ) -> AttentionBackend:
     ops = cpu_ops(ext)
     compiling = torch.compiler.is_compiling  # a constant True to dynamo; ~0.1 us eagerly
 
@@ -57,7 +62,7 @@ def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS) -> AttentionBackend:
         out = torch.empty(query.shape, dtype=query.dtype)
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
         attend(ext.paged_attention, out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-               scale, sliding_window or 0, dense_min_rows)
+               scale, sliding_window or 0, dense_min_rows, dense_min_work)
         return out
 
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -3,10 +3,12 @@
 The C++ kernel (csrc/paged_attention.cpp) computes attention with float32 FMAs, ~70
 GFLOPS on two AMX cores; torch's flash SDPA in bfloat16 runs its two matmuls on AMX
 (oneDNN/cpublas), several times faster once a chunk has enough query rows to fill its
-tiles. So a call's sequences whose chunk has at least `min_rows` new tokens get their
-context's K/V gathered out of the paged cache (a few MB a layer, against a quadratic
-amount of arithmetic) and go through SDPA, one sequence at a time; the others (decode
-rows, short chunks) go to the C++ kernel together, in one call.
+tiles. So a call's sequences whose chunk has at least `min_rows` new tokens, and at least
+`min_work` query x key pairs (q_len x context: SDPA's ~0.05 ms a call costs more than
+short chunks at the start of a prompt save), get their context's K/V gathered out of the
+paged cache (a few MB a layer, against a quadratic amount of arithmetic) and go through
+SDPA, one sequence at a time; the others (decode rows, short chunks) go to the C++ kernel
+together, in one call.
 
 Causal alignment: a chunk's queries sit at positions ctx - q_len .. ctx - 1 and see keys
 0 .. their own position ("bottom-right"). A chunk starting at 0 uses SDPA's is_causal
@@ -28,17 +30,20 @@ from torch import Tensor
 
 
 def attend(kernel: Callable, out: Tensor, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-           query_start_loc: Tensor, context_lens: Tensor, scale: float, sliding_window: int, min_rows: int) -> None:
-    """Fills out [tokens, heads, head_dim]: chunks of >= min_rows tokens by SDPA, the rest by
-    `kernel` (the C++ paged attention's signature: out first, sliding_window 0 for none)."""
+           query_start_loc: Tensor, context_lens: Tensor, scale: float, sliding_window: int, min_rows: int,
+           min_work: int) -> None:
+    """Fills out [tokens, heads, head_dim]: chunks of >= min_rows tokens and >= min_work
+    q_len x context by SDPA, the rest by `kernel` (the C++ paged attention's signature: out
+    first, sliding_window 0 for none)."""
     starts = query_start_loc.tolist()
+    ctx_lens = context_lens.tolist()
     lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    long = [i for i, n in enumerate(lens) if n >= min_rows]
+    dense = [n >= min_rows and n * ctx >= min_work for n, ctx in zip(lens, ctx_lens, strict=True)]
+    long = [i for i, d in enumerate(dense) if d]
     if not long:
         kernel(out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window)
         return
-    ctx_lens = context_lens.tolist()
-    short = [i for i, n in enumerate(lens) if 0 < n < min_rows]
+    short = [i for i, d in enumerate(dense) if not d and lens[i] > 0]
     if short:
         rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in short])
         sub_out = torch.empty(len(rows), *query.shape[1:], dtype=query.dtype)
