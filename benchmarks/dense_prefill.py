@@ -115,8 +115,9 @@ def prefill(lengths: list[int], chunk: int, repeats: int, names: list[str]) -> N
         flops = sum(model_flops(min(chunk, n - s), s, cfg.num_hidden_layers, cfg.hidden_size,
                                 cfg.intermediate_size) for s in range(0, n, chunk))
         times = {path: [] for path in paths}
-        for path in paths:
-            run(path)  # warm-up
+        if n == lengths[0]:
+            for path in paths:
+                run(path)  # warm-up
         for _ in range(repeats):
             for path in paths:
                 times[path].append(_median(lambda path=path: run(path), 1))
