@@ -38,6 +38,9 @@ class AttentionBackend:
     silu_and_mul: Callable = reference.silu_and_mul
     rope_and_cache: Callable = reference.rope_and_cache
     int8_group_linear: Callable = reference.int8_group_linear
+    # paged_attention computing each query row one way whatever else the call holds, where paged_attention
+    # picks a path by chunk length (`--deterministic` swaps it in); None: paged_attention already is
+    row_invariant_paged_attention: Callable | None = None
     # packed Q4_1 weights (kernels.reference.q4_linear; may take out=, a float32 tensor to fill); None: not offered
     q4_linear: Callable | None = None
 

@@ -6,6 +6,11 @@ Signatures and results follow `kernels.reference`, the oracle the tests compare 
 Eager calls go straight to the pybind functions; while torch.compile traces, each op
 calls the same kernel as a dispatcher op (`torch.ops.pagedserve.*`, see
 `kernels.custom_ops`), which dynamo keeps in its graph instead of breaking it.
+
+Paged attention sends sequences whose query chunk has at least DENSE_MIN_ROWS tokens and
+DENSE_MIN_WORK query x context pairs to torch's SDPA (`kernels.cpu.dense_attention`);
+`row_invariant_paged_attention` is the C++ kernel alone for every row, which
+`--deterministic` takes instead.
 """
 
 from __future__ import annotations
@@ -18,23 +23,46 @@ from torch import Tensor
 from kernels import reference
 from kernels.attention import AttentionBackend
 from kernels.cpu.build import load
+from kernels.cpu.dense_attention import attend
 from kernels.custom_ops import cpu_ops
 
+# where a chunk's attention runs faster through SDPA than through the C++ kernel, in bfloat16 and float32
+# (`python -m benchmarks.dense_prefill`, SmolLM2's heads, one layer, 1 thread of an AMX Xeon): 16 rows
+# over 256 keys of earlier context 1.4-1.9x faster by SDPA, 8 rows even; from position 0 (q_len x q_len)
+# SDPA's ~0.05 ms a call pays from ~48 rows (bfloat16) or ~64 (float32): 4096 pairs
+DENSE_MIN_ROWS = 16
+DENSE_MIN_WORK = 4096
 
-def make_backend(ext) -> AttentionBackend:
+
+def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int = DENSE_MIN_WORK,
+                 ) -> AttentionBackend:
     ops = cpu_ops(ext)
     compiling = torch.compiler.is_compiling  # a constant True to dynamo; ~0.1 us eagerly
 
     def kernels():
         return ops if compiling() else ext
 
-    def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                        query_start_loc: Tensor, context_lens: Tensor, scale: float | None = None,
-                        sliding_window: int | None = None) -> Tensor:
+    def kernel_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                         query_start_loc: Tensor, context_lens: Tensor, scale: float | None = None,
+                         sliding_window: int | None = None) -> Tensor:
         out = torch.empty(query.shape, dtype=query.dtype)
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
         kernels().paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                                   scale, sliding_window or 0)
+        return out
+
+    def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                        query_start_loc: Tensor, context_lens: Tensor, scale: float | None = None,
+                        sliding_window: int | None = None) -> Tensor:
+        # fewer rows than dense_min_rows in all: no chunk can be long (decode steps never read the lengths);
+        # compiled graphs are decode-only
+        if query.shape[0] < dense_min_rows or compiling():
+            return kernel_attention(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                                    sliding_window)
+        out = torch.empty(query.shape, dtype=query.dtype)
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+        attend(ext.paged_attention, out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+               scale, sliding_window or 0, dense_min_rows, dense_min_work)
         return out
 
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -74,6 +102,7 @@ def make_backend(ext) -> AttentionBackend:
         name="cpu",
         write_kv_to_cache=reference.write_kv_to_cache,
         paged_attention=paged_attention,
+        row_invariant_paged_attention=kernel_attention,
         copy_blocks=reference.copy_blocks,
         devices=("cpu",),
         rms_norm=rms_norm,

@@ -20,6 +20,10 @@ The mode fixes one path per linear, the same for every row count:
   not ours) runs dense through `tiled_linear`: its rows padded with zeros to a multiple of
   `TILE_ROWS` and multiplied TILE_ROWS at a time.
 
+- paged attention runs the C++ kernel for every row (the backend's
+  `row_invariant_paged_attention`), never the SDPA path the CPU backend takes for long
+  chunks (`kernels.cpu.dense_attention`), whose result depends on the chunk's length.
+
 What is already row-independent stays as it is: the embedding, the C++ RMSNorm, RoPE and
 SiLU kernels (one row at a time), the C++ paged attention (one sequence per work item,
 each query row's keys visited block by block in position order whatever the chunk or
@@ -28,6 +32,8 @@ torch.compile's decode graphs (one per padded batch size) are turned off.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +78,11 @@ def make_batch_invariant(model, tile: int = TILE_ROWS) -> list[str]:
     else:
         model.head_int8, model.head_tile_rows = None, tile
         lines.append(f"deterministic: the head dense in tiles of {tile} rows")
+    invariant = model.backend.row_invariant_paged_attention
+    if invariant is not None:
+        model.backend = dataclasses.replace(model.backend, paged_attention=invariant)
+        lines.append(f"deterministic: the {model.backend.name!r} backend's paged attention by its one kernel "
+                     "for every chunk length")
     if model.backend.name != "cpu":
         lines.append(f"deterministic: the {model.backend.name!r} attention backend is not batch-invariant "
                      "(it batches decode rows padded to the longest context); only 'cpu' is")

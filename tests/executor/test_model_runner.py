@@ -147,6 +147,30 @@ def test_greedy_matches_transformers(model):
         assert drv.seqs[rid]["out"] == hf_greedy(hf, p, 8), rid
 
 
+def test_long_chunks_through_sdpa_match_transformers(model):
+    """Chunks long enough for the CPU backend's SDPA path (kernels.cpu.dense_attention): a whole
+    100-token prompt, a 150-token one in chunks of 70 and 80 (the second after earlier context),
+    beside a decode row; greedy tokens, and logits at the end of each prompt."""
+    path, hf = model
+    runner = ModelRunner(path, dtype="float32", block_size=BLOCK, num_kv_blocks=64)
+    a, b, c = prompts(4, [100, 150, 9])
+    drv = Driver(runner, seed=5)
+    for rid, p in zip("abc", (a, b, c), strict=True):
+        drv.add(rid, p)
+    drv.run([drv.chunk("c"), drv.chunk("b", 70, sample=False)])
+    logits, _ = runner.compute_logits(ExecuteStep(99, [drv.chunk("c"), drv.chunk("a"), drv.chunk("b")]))
+    with torch.no_grad():
+        torch.testing.assert_close(logits[1], hf(torch.tensor([a])).logits[0, -1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[2], hf(torch.tensor([b])).logits[0, -1], atol=1e-5, rtol=1e-5)
+    for rid in "abc":  # compute_logits sampled nothing: the last chunk again, through execute
+        s = drv.seqs[rid]
+        s["computed"] -= 1 if rid == "c" else (100 if rid == "a" else 80)
+    drv.run([drv.chunk("c"), drv.chunk("a"), drv.chunk("b")])
+    drv.decode_all(8)
+    for rid, p in zip("abc", (a, b, c), strict=True):
+        assert drv.seqs[rid]["out"] == hf_greedy(hf, p, 8), rid
+
+
 def test_logits_match_transformers(model):
     path, hf = model
     runner = ModelRunner(path, dtype="float32", block_size=BLOCK, num_kv_blocks=32)

@@ -1,7 +1,8 @@
 """The C++ paged attention computes each query row the same way, bit for bit, whatever else the call holds:
 the same sequence's prompt in one chunk, in other chunks or one token at a time (a replay or a preemption
 may chunk it otherwise), and beside other sequences in a batch. `--deterministic` relies on it
-(services.executor.deterministic). The AVX2 build is checked too, in a child process, where the native
+(services.executor.deterministic), calling it for every chunk as the backend's `row_invariant_paged_attention`
+(its `paged_attention` sends long chunks to SDPA instead, whose bits depend on the chunk). The AVX2 build is checked too, in a child process, where the native
 build takes the AVX-512 paths."""
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def attend(q: torch.Tensor, k, v, tables, chunks: list[tuple[int, int]]) -> torc
     qsl = torch.tensor([0] + [b - a for _, a, b in chunks]).cumsum(0)
     ctx = torch.tensor([b for _, _, b in chunks])
     table = torch.stack([tables[s] for s, _, _ in chunks])
-    return CPU.paged_attention(rows, k, v, table, qsl, ctx, D**-0.5)
+    return CPU.row_invariant_paged_attention(rows, k, v, table, qsl, ctx, D**-0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
