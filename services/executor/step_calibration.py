@@ -29,6 +29,8 @@ from shared.messages import ExecuteStep, ScheduledSeq, SeqSampling
 
 log = logging.getLogger(__name__)
 
+PREFILL_ROWS = 1024  # the prompt chunk timed once the quantized copies win at every decode size
+
 GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
 
 
@@ -59,8 +61,10 @@ def _forward_time(runner, meta: BatchMetadata) -> float:
 def crossover(runner, use_rows: Callable[[int], None], label: str, context: int,
               rows: tuple[int, ...] = CALIBRATION_ROWS, reps: int = 3) -> int:
     """Largest m in `rows` at which a decode step of m sequences is faster with `use_rows(m)`
-    (quantized copies serve m rows) than with `use_rows(0)` (dense); 0 if never; ALL_ROWS if
-    faster at every m. Where m sequences of `context` tokens do not fit in the pool, their
+    (quantized copies serve m rows) than with `use_rows(0)` (dense); 0 if never; if faster at every
+    m, ALL_ROWS when it is also faster on a prompt chunk of PREFILL_ROWS tokens, else the largest m
+    (a calibration slowed by other load once extrapolated the int4 copies to 2048-token prefill
+    chunks, where they ran ~4x slower than the dense matmul on an AMX host). Where m sequences of `context` tokens do not fit in the pool, their
     context is halved until they do (both ways read the same KV)."""
     best = 0
     for m in rows:
@@ -87,9 +91,46 @@ def crossover(runner, use_rows: Callable[[int], None], label: str, context: int,
             break
         best = m
     else:
-        best = ALL_ROWS if rows else 0
+        best = 0
+        if rows:
+            best = ALL_ROWS if _faster_on_a_prompt_chunk(runner, use_rows, label) else rows[-1]
     use_rows(best)
     return best
+
+
+def prefill_step(rows: int, block_size: int, num_blocks: int) -> ExecuteStep | None:
+    """One sequence's first prompt chunk of `rows` tokens on blocks 1..; None if the pool is too small."""
+    per_seq = -(-rows // block_size)
+    if per_seq > num_blocks - 1:
+        return None
+    table = list(range(1, 1 + per_seq))
+    slots = [table[p // block_size] * block_size + p % block_size for p in range(rows)]
+    seq = ScheduledSeq(request_id="calibration-prefill", token_ids=[1 + p % 1000 for p in range(rows)], start_pos=0,
+                       block_table=table, slot_mapping=slots, sample=True, output_index=0, sampling=GREEDY)
+    return ExecuteStep(step_id=0, seqs=[seq])
+
+
+def _faster_on_a_prompt_chunk(runner, use_rows: Callable[[int], None], label: str) -> bool:
+    """Whether the quantized copies (serving every step) beat the dense weights on a prompt chunk of
+    PREFILL_ROWS tokens (fewer where the pool is smaller); one warm-up and one timed round each way."""
+    rows = PREFILL_ROWS
+    step = prefill_step(rows, runner.block_size, runner.num_kv_blocks)
+    while step is None and rows > 1:
+        rows //= 2
+        step = prefill_step(rows, runner.block_size, runner.num_kv_blocks)
+    if step is None:
+        return True
+    meta = BatchMetadata.from_step(step, runner.block_size, runner.num_kv_blocks, runner.device)
+    times = {}
+    for rep in range(2):
+        for m in (0, ALL_ROWS):
+            use_rows(m)
+            elapsed = _forward_time(runner, meta)
+            if rep:
+                times[m] = elapsed
+    log.info("step calibration of %s: a %d-token prompt chunk: dense %.2f ms, quantized %.2f ms", label, rows,
+             times[0] * 1e3, times[ALL_ROWS] * 1e3)
+    return times[ALL_ROWS] < times[0]
 
 
 def calibrate_runner(runner, context: int = 128) -> list[str]:

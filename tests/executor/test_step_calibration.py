@@ -69,8 +69,26 @@ def test_crossover_serves_every_step_when_quantized_wins_at_every_size_timed(mon
         num_kv_blocks = 65  # 64 sequences of 4 blocks do not fit: their context is halved twice
     best = sc.crossover(Small(), lambda m: limit.update(rows=m), "test", context=64, rows=(1, 64), reps=1)
     assert best == q.ALL_ROWS and limit["rows"] == q.ALL_ROWS
-    assert contexts == [4, 1]
+    assert contexts == [4, 1, 64]  # then a prompt chunk of 1024 tokens (64 blocks) was timed too
     assert q.rows_text(best) == "every step" and q.rows_text(8) == "steps of at most 8 tokens"
+
+
+def test_crossover_stops_at_the_largest_decode_size_when_a_prompt_chunk_is_slower_quantized(monkeypatch):
+    limit = {"rows": None}
+    chunk = {"rows": 0}
+
+    def from_step(step, *a):
+        chunk["rows"] = len(step.seqs[0].token_ids)
+        return None
+
+    def forward_time(runner, meta):  # quantized wins on decode steps, loses on the prompt chunk
+        wins = chunk["rows"] == 1
+        return (1.0 if wins else 3.0) if limit["rows"] else 2.0
+    monkeypatch.setattr(sc, "_forward_time", forward_time)
+    monkeypatch.setattr(sc.BatchMetadata, "from_step", staticmethod(from_step))
+    best = sc.crossover(_Runner(), lambda m: limit.update(rows=m), "test", context=32, rows=(1, 64), reps=1)
+    assert best == 64 and limit["rows"] == 64
+    assert chunk["rows"] == sc.PREFILL_ROWS
 
 
 def test_crossover_is_zero_when_quantized_never_wins(monkeypatch):
@@ -90,8 +108,9 @@ def test_a_runner_calibrates_on_decode_steps_unless_pinned(tiny_model_dir, tmp_p
     runner = ModelRunner(q4_dir, dtype="float32", num_kv_blocks=64, quantization="auto")
     assert calls == ["int4 linears", "int8 head"]
     limits = {m.int4.max_rows for m in runner.model.decoder_linears()}
-    assert len(limits) == 1 and limits <= {0, 1, q.ALL_ROWS}  # faster at both sizes timed: every step
-    assert runner.model.head_int8.max_rows in (0, 1, q.ALL_ROWS)
+    # faster at both sizes timed: up to 2, or every step if also faster on a prompt chunk
+    assert len(limits) == 1 and limits <= {0, 1, 2, q.ALL_ROWS}
+    assert runner.model.head_int8.max_rows in (0, 1, 2, q.ALL_ROWS)
     step = sc.decode_step(2, 20, runner.block_size, runner.num_kv_blocks)
     assert len(runner.execute(step)) == 2
 
