@@ -55,7 +55,8 @@ class StackedLayouts:
         self.ranges: list[dict[int, tuple[int, int]]] = []  # per layout: slot -> its columns [begin, end)
 
     def index(self, parts: list[tuple[int, int]]) -> int:
-        """The layout of columns made of (slot, rank) parts in order (added if new)."""
+        """The layout of columns made of (slot, rank) parts in order (added if new); a negative
+        slot: columns no row's slot matches."""
         key = tuple(parts)
         found = self.keys.get(key)
         if found is None:
@@ -64,7 +65,9 @@ class StackedLayouts:
             self.col_slots.append(torch.tensor(cols, dtype=torch.long, device=self.device))
             ranges, begin = {}, 0
             for slot, rank in parts:
-                ranges[slot], begin = (begin, begin + rank), begin + rank
+                if slot >= 0:  # not a gap (services.executor.lora_stack.GAP)
+                    ranges[slot] = (begin, begin + rank)
+                begin += rank
             self.ranges.append(ranges)
         return found
 

@@ -6,8 +6,8 @@ adapter of each slot its rows use (`ExecuteStep.lora_slots`); `prepare` makes th
 them (from the LRU, else from disk) and groups the step's token rows by slot
 (`kernels.lora.row_groups`; for the C++ kernel `StackedLayouts.groups`, long runs of one
 adapter left to torch) into a `LoraBatch` the model adds the deltas of. The slots'
-weights are also kept stacked (`lora_stack`), rebuilt when a slot changes, for steps that
-mix adapters or scatter their rows. An adapter that
+weights are also kept stacked (`lora_stack`) for steps that mix adapters or scatter their rows;
+a slot change rewrites only that slot's part of the table, so a steady state copies nothing. An adapter that
 fails to load fails its rows alone (`LoraBatch.failed`, 400 naming it); those rows run as
 the base model meanwhile and their output is dropped. On the CPU a slot shares the host
 copy's tensors (no copy).
@@ -44,7 +44,8 @@ class ExecutorLoras:
         self.slots: list[LoraWeights | None] = [None] * options.max_loras
         self.host: OrderedDict[str, LoraWeights] = OrderedDict()  # digest -> weights (on the host)
         self.max_cpu_loras = options.max_cpu_loras or 4 * options.max_loras
-        self._stacked: StackedSlots | None = None  # None: to rebuild from the slots
+        self._stacked: StackedSlots | None = None  # built at the first step with adapter rows
+        self._changed: set[int] = set()  # slots refilled since the stacked table last saw them
 
     def prepare(self, step: ExecuteStep, query_lens: list[int]) -> LoraBatch | None:
         if not step.lora_slots:
@@ -69,6 +70,9 @@ class ExecutorLoras:
             return batch
         if self._stacked is None:
             self._stacked = StackedSlots(self.slots, self.device, self.dtype)
+        elif self._changed:
+            self._stacked.update({slot: self.slots[slot] for slot in sorted(self._changed)})
+        self._changed.clear()
         stacked = self._stacked
         # the kernel takes any rows in one call; for the torch forms one contiguous group is two
         # matmuls on a slice already: only mixed or scattered rows gain from the stacked form
@@ -112,7 +116,7 @@ class ExecutorLoras:
             while len(self.host) > self.max_cpu_loras:
                 self.host.popitem(last=False)
         self.host.move_to_end(adapter.digest)
-        self._stacked = None
+        self._changed.add(slot)
         self.slots[slot] = weights if self.device.type == "cpu" else _to_device(weights, self.device)
 
 

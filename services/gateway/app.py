@@ -24,7 +24,6 @@ stalls that long. Slow headers are the server's keep-alive timeout (service.py).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import re
@@ -196,12 +195,10 @@ class Gateway:
                 code="unsupported_media_type"))
         try:
             body = parse_json(await self._read_body(request))
-            lora = self.loras.get(body.get("model"))
-            parsed = parse(body, self.model_names | set(self.loras.adapters), self.limits)
+            parsed = self.loras.under(body.get("model"), parse(body, self.loras.names(self.model_names), self.limits))
         except ApiError as exc:
             return error_response(exc)
-        if lora is not None:
-            parsed = dataclasses.replace(parsed, params=msgspec.structs.replace(parsed.params, lora=lora))
+        lora = parsed.params.lora
         if parsed.priority and self.scheduling_policy != "priority":
             return error_response(ApiError(
                 f"'priority' needs a server started with --scheduling-policy priority; this one schedules "

@@ -12,6 +12,7 @@ scheduler's 400.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from contextlib import AsyncExitStack
 
@@ -35,8 +36,9 @@ class EmbeddingRoutes:
             return g.error(ApiError("The request body must be JSON, sent with 'Content-Type: application/json'.",
                                     415, code="unsupported_media_type"))
         try:
-            parsed = parse_embeddings(parse_json(await g._read_body(request)), g.model_names, self.hidden_size,
-                                      g.limits)
+            body = parse_json(await g._read_body(request))
+            parsed = parse_embeddings(body, g.loras.names(g.model_names), self.hidden_size, g.limits)
+            parsed = dataclasses.replace(parsed, lora=g.loras.get(body.get("model")))
         except ApiError as exc:
             return g.error(exc)
         refused = g.admission.check_capacity()
@@ -50,8 +52,8 @@ class EmbeddingRoutes:
         except RequestTimeout:
             return g.error(g._timeout_error())
         vectors = [vector_of(o.embedding, parsed.dimensions) for o in outputs]
-        body = embeddings_body(vectors, sum(o.num_prompt_tokens for o in outputs), g.served_model_name,
-                               parsed.encoding_format)
+        body = embeddings_body(vectors, sum(o.num_prompt_tokens for o in outputs),
+                               parsed.lora.name if parsed.lora else g.served_model_name, parsed.encoding_format)
         return web.json_response(body, dumps=g.dumps)
 
     async def _run(self, client: EngineClient, parsed: EmbeddingsRequest, timeout_s: float) -> list[PooledOutput]:

@@ -1,5 +1,6 @@
 """The gateway's LoRA adapters: name -> `LoraAdapter` (its PEFT directory and the digest of its
-files), the one place a request's `model` is resolved to an adapter.
+files), the one place a request's `model` is resolved to an adapter, for every route that
+generates or pools (completions, chat, Anthropic's messages, responses, embeddings).
 
 An adapter is registered (from --lora-modules at start, or POST /v1/load_lora_adapter) only
 after its files were read and held to the base model (`shared.lora_files`: the rank limit,
@@ -12,8 +13,12 @@ naming it; those in flight finish under it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
+import msgspec
+
+from services.gateway.openai.request import ParsedRequest
 from shared.lora_files import AdapterError, BaseShapes, check_adapter, read_adapter
 from shared.messages import LoraAdapter
 
@@ -27,6 +32,18 @@ class LoraRegistry:
 
     def get(self, name: object) -> LoraAdapter | None:
         return self.adapters.get(name) if isinstance(name, str) else None
+
+    def names(self, base_names: set[str]) -> set[str]:
+        """The names a request's `model` may take (any other is the route's 404): the base model's
+        and every adapter's."""
+        return base_names | set(self.adapters)
+
+    def under(self, model: object, parsed: ParsedRequest) -> ParsedRequest:
+        """parsed, run under the adapter `model` names (as it is for a base model name)."""
+        lora = self.get(model)
+        if lora is None:
+            return parsed
+        return dataclasses.replace(parsed, params=msgspec.structs.replace(parsed.params, lora=lora))
 
     def load(self, name: str, path: str, reserved: set[str] = frozenset()) -> LoraAdapter:
         """Register an adapter (AdapterError: 400 when the name is taken or the files do not fit

@@ -163,3 +163,64 @@ def test_changed_files_fail_their_rows_alone(base, adapters, tmp_path):
     assert [f.index for f in result.failed] == [0] and result.failed[0].status == 400
     assert "bad" in result.failed[0].message and "changed" in result.failed[0].message
     assert result.sampled[1] >= 0 and result.sampled[2] >= 0
+
+
+def stacked_state(stacked: lora_stack.StackedSlots) -> list:
+    """Per layer and projection: None, or its form and each slot's live columns of A and B^T and
+    their output blocks (relative to the slot's first column): what a step reads."""
+    out = []
+    for row in stacked.layers:
+        for t in row:
+            if t is None:
+                out.append(None)
+                continue
+            ranges = stacked.layouts.ranges[t.layout]
+            slots = {}
+            for slot, (c0, c1) in sorted(ranges.items()):
+                mine = t.blocks[(t.blocks[:, 0] >= c0) & (t.blocks[:, 1] <= c1)] - torch.tensor([c0, c0, 0, 0])
+                slots[slot] = (t.a[c0:c1], t.bt[c0:c1], mine)
+            out.append((t.kernel, slots))
+    return out
+
+
+def assert_same_table(got: lora_stack.StackedSlots, fresh: lora_stack.StackedSlots) -> None:
+    assert got.any_torch == fresh.any_torch
+    for g, f in zip(stacked_state(got), stacked_state(fresh), strict=True):
+        assert (g is None) == (f is None)
+        if g is not None:
+            assert g[0] == f[0] and g[1].keys() == f[1].keys()
+            for slot in g[1]:
+                assert all(torch.equal(x, y) for x, y in zip(g[1][slot], f[1][slot], strict=True)), slot
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_stacked_table_updated_in_place_equals_a_fresh_one(base, adapters, kernel, monkeypatch):
+    """Slots refilled in turn (wider and narrower adapters, one brought back): the table, updated
+    in place, reads as one built afresh from the slots, a steady step copies no weights, a slot
+    change within its region copies that slot's only, and the outputs stay those of a fresh runner."""
+    if kernel and cpu_kernel() is None:
+        pytest.skip("the C++ CPU kernels are not built")
+    monkeypatch.setattr(lora_stack, "MAX_STACKED_FRACTION", 100.0)
+    monkeypatch.setattr(lora_stack, "USE_CPU_KERNEL", kernel)
+    r = runner(base)
+    p = prompts(11, [6, 9, 4])
+    a = adapters
+    # slot 0 widens under slot 1's live columns (which move), narrows, and a0 comes back
+    sequence = [{"a3": 0, "a1": 1}, {"a0": 0, "a1": 1}, {"a2": 0, "a1": 1}, {"a2": 0, "a3": 1},
+                {"a0": 1, "a2": 0, "a1": 3}, {"a3": 1, "a2": 0, "a1": 3}, {"a0": 0, "a3": 1, "a2": 3}]
+    for slots in sequence:
+        jobs = [(prompt, a[name]) for prompt, name in zip(p, slots, strict=False)]
+        got, _ = generate(r, jobs, slots)
+        assert got == generate(runner(base), jobs, slots)[0]
+        stacked = r.loras._stacked
+        assert_same_table(stacked, lora_stack.StackedSlots(r.loras.slots, r.device, r.dtype))
+
+    copies = stacked.copies
+    buffers = [(t.a.data_ptr(), t.bt.data_ptr()) for row in stacked.tables for t in row if t.a is not None]
+    generate(r, jobs, slots)  # the same slots again: nothing to copy
+    assert stacked.copies == copies
+    generate(r, [(p[0], a["a1"])], {"a1": 1})  # a3 (rank 2) leaves slot 1 for a1 (rank 4 on q and v)
+    targeted = sum(t is not None for layer in r.loras.slots[1].layers for t in layer)
+    assert stacked.copies == copies + targeted  # a1's own projections, no regrowth
+    assert buffers == [(t.a.data_ptr(), t.bt.data_ptr()) for row in stacked.tables for t in row if t.a is not None]
+    assert_same_table(stacked, lora_stack.StackedSlots(r.loras.slots, r.device, r.dtype))

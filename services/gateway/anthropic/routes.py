@@ -13,6 +13,7 @@ count is the input_tokens a message of that body would report. Every error is An
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import uuid
@@ -48,8 +49,10 @@ class MessagesRoutes:
         if request.content_type != "application/json":
             raise ApiError("The request body must be JSON, sent with 'Content-Type: application/json'.", 415)
         body = parse_json(await self.gw._read_body(request))
-        return parse_messages_request(body, self.gw.model_names, self.gw.limits, count_only=count_only,
-                                      reasoning_parser=self.gw.reasoning_parser)
+        loras = self.gw.loras
+        req = parse_messages_request(body, loras.names(self.gw.model_names), self.gw.limits, count_only=count_only,
+                                     reasoning_parser=self.gw.reasoning_parser)
+        return dataclasses.replace(req, parsed=loras.under(body.get("model"), req.parsed))
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         try:
@@ -76,7 +79,8 @@ class MessagesRoutes:
             gw.metrics.rejected.labels(reason=refused.code or refused.error_type).inc()
             return error_response(refused)
         message_id = new_message_id()
-        shape = MessageShape(message_id, gw.served_model_name, req.parsed.tool_mode, req.stop_sequences,
+        lora = req.parsed.params.lora
+        shape = MessageShape(message_id, lora.name if lora else gw.served_model_name, req.parsed.tool_mode, req.stop_sequences,
                              req.single_call,
                              # a grammar-constrained answer (a forced tool call, a format) has no thinking to split
                              gw.reasoning_parser if req.parsed.params.structured is None else None,

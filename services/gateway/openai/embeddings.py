@@ -28,7 +28,7 @@ from services.gateway.openai.errors import ApiError, wrong_type
 from services.gateway.openai.field_policy import HARMLESS, UNSUPPORTED, is_unused
 from services.gateway.openai.readers import boolean, integer, is_token_id
 from services.gateway.openai.request import check_model
-from shared.messages import GenerateRequest, SamplingParams
+from shared.messages import GenerateRequest, LoraAdapter, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,10 @@ class EmbeddingsRequest:
     encoding_format: str = "float"
     dimensions: int | None = None
     add_special_tokens: bool | None = None
+    lora: LoraAdapter | None = None  # the adapter the model runs under (`model` naming one)
 
     def to_generates(self, request_id: str, pooling: str) -> list[GenerateRequest]:
-        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling, lora=self.lora)
         return [GenerateRequest(request_id=f"{request_id}-{i}", params=params, prompt=text, prompt_token_ids=ids,
                                 add_special_tokens=self.add_special_tokens)
                 for i, (text, ids) in enumerate(self.inputs)]

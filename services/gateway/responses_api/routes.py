@@ -11,6 +11,7 @@ before the first output is a plain HTTP error, one after it an `error` event tha
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from aiohttp import web
@@ -58,14 +59,17 @@ class ResponsesRoutes:
                 "The request body must be JSON, sent with 'Content-Type: application/json'.", 415,
                 code="unsupported_media_type"))
         try:
-            parsed = parse_responses(parse_json(await gw._read_body(request)), gw.model_names, gw.limits, self.store)
+            body = parse_json(await gw._read_body(request))
+            parsed = parse_responses(body, gw.loras.names(gw.model_names), gw.limits, self.store)
+            parsed = dataclasses.replace(parsed, chat=gw.loras.under(body.get("model"), parsed.chat))
         except ApiError as exc:
             return self.error_response(exc)
         refused = gw.admission.check_capacity()
         if refused is not None:
             gw.metrics.rejected.labels(reason=refused.code or refused.error_type).inc()
             return self.error_response(refused)
-        obj = ResponseObject(gw.served_model_name, parsed.echo)
+        lora = parsed.chat.params.lora
+        obj = ResponseObject(lora.name if lora else gw.served_model_name, parsed.echo)
         timer = gw.metrics.track(1)
         try:
             async with gw.client.open(parsed.chat.to_generate(obj.id), gw.timeout_s) as stream:
