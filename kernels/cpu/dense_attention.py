@@ -7,8 +7,8 @@ tiles. So a call's sequences whose chunk has at least `min_rows` new tokens, and
 `min_work` query x key pairs (q_len x context: SDPA's ~0.05 ms a call costs more than
 short chunks at the start of a prompt save), get their context's K/V gathered out of the
 paged cache (a few MB a layer, against a quadratic amount of arithmetic) and go through
-SDPA, one sequence at a time; the others (decode rows, short chunks) go to the C++ kernel
-together, in one call.
+SDPA, one sequence at a time; the others (decode rows, short chunks) go to the C++ kernel,
+one call per run of consecutive ones, on views of the step's tensors.
 
 Causal alignment: a chunk's queries sit at positions ctx - q_len .. ctx - 1 and see keys
 0 .. their own position ("bottom-right"). A chunk starting at 0 uses SDPA's is_causal
@@ -48,14 +48,23 @@ def attend(kernel: Callable, out: Tensor, query: Tensor, k_cache: Tensor, v_cach
     if not long:
         kernel(out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window)
         return
-    short = [i for i, d in enumerate(dense) if not d and lens[i] > 0]
-    if short:
-        rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in short])
-        sub_out = torch.empty(len(rows), *query.shape[1:], dtype=query.dtype)
-        qsl = torch.tensor([0, *torch.tensor([lens[i] for i in short]).cumsum(0).tolist()])
-        kernel(sub_out, query[rows], k_cache, v_cache, block_tables[short], qsl, context_lens[short], scale,
-               sliding_window)
-        out[rows] = sub_out
+    # each run of consecutive short sequences (decode rows come first in a step: usually one run)
+    # goes to the kernel as views of the step's tensors; gathering them into a copy cost as much
+    # as their attention at 64 decode rows
+    i = 0
+    while i < len(dense):
+        if dense[i]:
+            i += 1
+            continue
+        j = i
+        while j < len(dense) and not dense[j]:
+            j += 1
+        a, e = starts[i], starts[j]
+        if e > a:
+            qsl = query_start_loc[i : j + 1]
+            kernel(out[a:e], query[a:e], k_cache, v_cache, block_tables[i:j], qsl - a if a else qsl,
+                   context_lens[i:j], scale, sliding_window)
+        i = j
     for i in long:
         s, n = starts[i], lens[i]
         o = chunk_attention(query[s : s + n], k_cache, v_cache, block_tables[i], ctx_lens[i], scale, sliding_window)

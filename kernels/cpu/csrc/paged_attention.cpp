@@ -188,6 +188,22 @@ inline void softmax_update_simd(Scratch& s, int64_t r, float* sc, int64_t lo, in
   s.l[r] += sum;
 }
 
+// acc[0..CH * kWidth) += sum over j in lo..hi of p[j] * values[j], the values rows D floats apart.
+// CH, the vectors of a row, is a constant so that the running output lives in registers (with a
+// runtime count the compiler kept it on the stack, and every FMA waited on a store and a load).
+template <int CH>
+inline void add_values(float* acc, const float* p, const float* values, int64_t lo, int64_t hi, int64_t D) {
+  using namespace vec;
+  V out[CH];
+  for (int c = 0; c < CH; ++c) out[c] = load(acc + c * kWidth);
+  for (int64_t j = lo; j <= hi; ++j) {
+    const V pv = set1(p[j]);
+    const float* vj = values + j * D;
+    for (int c = 0; c < CH; ++c) out[c] = fmadd(pv, load(vj + c * kWidth), out[c]);
+  }
+  for (int c = 0; c < CH; ++c) store(acc + c * kWidth, out[c]);
+}
+
 // The same computation with K/V rows read straight from the cache into vector registers
 // (widened from bfloat16/float16 on load): keys are dotted four at a time with each query row
 // of the item (a row's four scores share one horizontal reduction); each block's values are widened once into scratch, then
@@ -274,13 +290,18 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
       float* row = sc + r * BS;
       softmax_update_simd(s, r, row, lo, hi, BS, D);
       float* acc_r = &s.acc[r * D];
-      for (int64_t c = 0; c < chunks; ++c) kv[c] = load(acc_r + c * kWidth);
-      for (int64_t j = lo; j <= hi; ++j) {
-        const V pv = set1(row[j]);
-        const float* vj = vb + j * D;
-        for (int64_t c = 0; c < chunks; ++c) kv[c] = fmadd(pv, load(vj + c * kWidth), kv[c]);
+      switch (chunks) {  // head_dim 64 or 128: the output stays in registers
+        case 4: add_values<4>(acc_r, row, vb, lo, hi, D); break;
+        case 8: add_values<8>(acc_r, row, vb, lo, hi, D); break;
+        default:
+          for (int64_t c = 0; c < chunks; ++c) kv[c] = load(acc_r + c * kWidth);
+          for (int64_t j = lo; j <= hi; ++j) {
+            const V pv = set1(row[j]);
+            const float* vj = vb + j * D;
+            for (int64_t c = 0; c < chunks; ++c) kv[c] = fmadd(pv, load(vj + c * kWidth), kv[c]);
+          }
+          for (int64_t c = 0; c < chunks; ++c) store(acc_r + c * kWidth, kv[c]);
       }
-      for (int64_t c = 0; c < chunks; ++c) store(acc_r + c * kWidth, kv[c]);
     }
   }
   store_rows(w, s, out, o_tok_stride, o_head_stride, qsl, group, D);
