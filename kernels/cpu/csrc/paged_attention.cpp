@@ -188,20 +188,22 @@ inline void softmax_update_simd(Scratch& s, int64_t r, float* sc, int64_t lo, in
   s.l[r] += sum;
 }
 
-// acc[0..CH * kWidth) += sum over j in lo..hi of p[j] * values[j], the values rows D floats apart.
-// CH, the vectors of a row, is a constant so that the running output lives in registers (with a
-// runtime count the compiler kept it on the stack, and every FMA waited on a store and a load).
+// acc[0..n * kWidth) += sum over j in lo..hi of p[j] * values[j], the values rows D floats apart;
+// n = CH, or `vectors` when CH is 0. With CH a constant the running output lives in registers (with
+// a runtime count the compiler kept it on the stack, and every FMA waited on a store and a load).
 template <int CH>
-inline void add_values(float* acc, const float* p, const float* values, int64_t lo, int64_t hi, int64_t D) {
+inline void add_values(float* acc, const float* p, const float* values, int64_t lo, int64_t hi, int64_t D,
+                       int64_t vectors = CH) {
   using namespace vec;
-  V out[CH];
-  for (int c = 0; c < CH; ++c) out[c] = load(acc + c * kWidth);
+  const int64_t n = CH ? CH : vectors;
+  V out[CH ? CH : 16];
+  for (int64_t c = 0; c < n; ++c) out[c] = load(acc + c * kWidth);
   for (int64_t j = lo; j <= hi; ++j) {
     const V pv = set1(p[j]);
     const float* vj = values + j * D;
-    for (int c = 0; c < CH; ++c) out[c] = fmadd(pv, load(vj + c * kWidth), out[c]);
+    for (int64_t c = 0; c < n; ++c) out[c] = fmadd(pv, load(vj + c * kWidth), out[c]);
   }
-  for (int c = 0; c < CH; ++c) store(acc + c * kWidth, out[c]);
+  for (int64_t c = 0; c < n; ++c) store(acc + c * kWidth, out[c]);
 }
 
 // The same computation with K/V rows read straight from the cache into vector registers
@@ -293,14 +295,7 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
       switch (chunks) {  // head_dim 64 or 128: the output stays in registers
         case 4: add_values<4>(acc_r, row, vb, lo, hi, D); break;
         case 8: add_values<8>(acc_r, row, vb, lo, hi, D); break;
-        default:
-          for (int64_t c = 0; c < chunks; ++c) kv[c] = load(acc_r + c * kWidth);
-          for (int64_t j = lo; j <= hi; ++j) {
-            const V pv = set1(row[j]);
-            const float* vj = vb + j * D;
-            for (int64_t c = 0; c < chunks; ++c) kv[c] = fmadd(pv, load(vj + c * kWidth), kv[c]);
-          }
-          for (int64_t c = 0; c < chunks; ++c) store(acc_r + c * kWidth, kv[c]);
+        default: add_values<0>(acc_r, row, vb, lo, hi, D, chunks);
       }
     }
   }
