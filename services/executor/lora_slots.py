@@ -11,6 +11,12 @@ a slot change rewrites only that slot's part of the table, so a steady state cop
 fails to load fails its rows alone (`LoraBatch.failed`, 400 naming it); those rows run as
 the base model meanwhile and their output is dropped. On the CPU a slot shares the host
 copy's tensors (no copy).
+
+Under tensor parallelism every rank runs `prepare` on the same step and keeps its share of
+each adapter (`lora_shard`; the host LRU holds the shares). The ranks' slot tables must stay
+alike, so a step that (re)fills slots ends with the ranks agreeing which fills failed
+(`TPGroup.any_flags`): a fill that failed on any rank fails that adapter's rows on every
+rank and leaves the slot as it was on all of them, to be tried again by a later step.
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ import torch
 from kernels.lora import row_groups
 from services.executor.lora_batch import LoraBatch
 from services.executor.lora_stack import StackedSlots
+from services.executor.lora_shard import shard_lora
 from services.executor.lora_weights import LayerLora, LoraLoadError, LoraWeights, load_lora
+from services.executor.models.sharding import ModelShard
+from services.executor.tp_group import TPGroup
 from shared.lora_files import BaseShapes
 from shared.lora_options import LoraOptions
-from shared.messages import ExecuteStep
+from shared.messages import ExecuteStep, LoraAdapter
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +48,10 @@ TORCH_RUN_ROWS = 128
 
 class ExecutorLoras:
     def __init__(self, options: LoraOptions, base: BaseShapes, dtype: torch.dtype, device: torch.device,
-                 tp_size: int = 1):
-        self.options, self.base, self.dtype, self.device, self.tp_size = options, base, dtype, device, tp_size
+                 tp: TPGroup | None = None, shard: ModelShard | None = None, head_dim: int = 0):
+        """shard and head_dim: this rank's part of the base model (needed when tp has more than one rank)."""
+        self.options, self.base, self.dtype, self.device = options, base, dtype, device
+        self.tp, self.shard, self.head_dim = tp or TPGroup.single(), shard, head_dim
         self.slots: list[LoraWeights | None] = [None] * options.max_loras
         self.host: OrderedDict[str, LoraWeights] = OrderedDict()  # digest -> weights (on the host)
         self.max_cpu_loras = options.max_cpu_loras or 4 * options.max_loras
@@ -51,12 +62,28 @@ class ExecutorLoras:
         if not step.lora_slots:
             return None
         failed_slots: dict[int, str] = {}
+        fills: list[tuple[int, LoraAdapter, LoraWeights | None]] = []  # (slot, adapter, its weights: None if failed)
         for slot, adapter in step.lora_slots:
             try:
-                self._fill(slot, adapter)
+                weights = self._load(slot, adapter)
             except LoraLoadError as exc:
                 log.warning("%s", exc)
                 failed_slots[slot] = str(exc)
+                fills.append((slot, adapter, None))
+                continue
+            if weights is not None:
+                fills.append((slot, adapter, weights))
+        # which slots a step refills depends only on the slot tables, alike on every rank
+        for (slot, adapter, weights), failed in zip(fills, self.tp.any_flags([w is None for _, _, w in fills]),
+                                                    strict=True):
+            if weights is None:
+                continue
+            if failed:
+                failed_slots[slot] = (f"LoRA adapter {adapter.name!r} could not be loaded on every tensor-parallel "
+                                      f"rank (see the other ranks' logs)")
+                continue
+            self._changed.add(slot)
+            self.slots[slot] = weights
         token_slots: list[int] = []
         failed: dict[int, str] = {}
         for i, (seq, n) in enumerate(zip(step.seqs, query_lens, strict=True)):
@@ -99,25 +126,26 @@ class ExecutorLoras:
                 begin = i
         return kernel_slots, runs
 
-    def _fill(self, slot: int, adapter) -> None:
+    def _load(self, slot: int, adapter: LoraAdapter) -> LoraWeights | None:
+        """The weights slot is to hold for adapter (this rank's share, on the device; from the host LRU,
+        else from disk), or None if it holds them already."""
         if not 0 <= slot < len(self.slots):
             raise LoraLoadError(f"LoRA slot {slot} is outside this executor's {len(self.slots)} (--max-loras)")
         held = self.slots[slot]
         if held is not None and held.adapter.digest == adapter.digest:
-            return
-        if self.tp_size > 1:
-            raise LoraLoadError("LoRA adapters are not supported under tensor parallelism")
+            return None
         weights = self.host.get(adapter.digest)
         if weights is None:
             weights = load_lora(adapter, self.base, self.options.max_lora_rank, self.dtype, "cpu")
+            if self.tp.size > 1:
+                weights = shard_lora(weights, self.shard, self.head_dim, self.base)
             log.info("LoRA adapter %s loaded from disk (rank %d, %.1f MiB)", adapter.name, weights.rank,
                      weights.nbytes / 2**20)
             self.host[adapter.digest] = weights
             while len(self.host) > self.max_cpu_loras:
                 self.host.popitem(last=False)
         self.host.move_to_end(adapter.digest)
-        self._changed.add(slot)
-        self.slots[slot] = weights if self.device.type == "cpu" else _to_device(weights, self.device)
+        return weights if self.device.type == "cpu" else _to_device(weights, self.device)
 
 
 def _to_device(weights: LoraWeights, device: torch.device) -> LoraWeights:

@@ -34,7 +34,8 @@ and forward pass; only rank 0 samples (the others' `run` returns an empty result
 CUDA graphs are off under tensor parallelism (no collectives inside a captured graph).
 
 Rows under LoRA adapters (`lora_slots`) run eagerly (no CUDA graph or compiled step); an
-adapter that cannot be loaded fails its rows alone (400).
+adapter that cannot be loaded fails its rows alone (400). Under tensor parallelism each rank
+holds its share of every adapter, cut as its shard of the model (`lora_shard`).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed, device=self.device)
         # shapes only: the gateway checked the adapter's base model name when it registered it
         self.loras = ExecutorLoras(lora_options or LoraOptions(), replace(BaseShapes.of_config(config), names=frozenset()),
-                                   self.dtype, self.device, self.tp.size)
+                                   self.dtype, self.device, self.tp, self.model.shard, head_dim_of(config))
         self.model_dir = model_dir
         self.grammar: GrammarMasks | None = None  # made on the first constrained request
         self._grammar_threads: ThreadPoolExecutor | None = None

@@ -147,6 +147,14 @@ class TPGroup:
         self._run("min", dist.all_reduce, t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
 
+    def any_flags(self, flags: list[bool]) -> list[bool]:
+        """Each flag set on any rank (every rank must call it at the same point, with as many flags)."""
+        if self.size == 1 or not flags:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int64)
+        self._run("max", dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return [bool(v) for v in t.tolist()]
+
     def send(self, msg: RankZeroToRanks) -> None:
         """Rank 0: hand a message to every other rank (which wait in `recv`)."""
         if self.size == 1:

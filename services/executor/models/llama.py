@@ -25,7 +25,9 @@ one all-reduce after each (their bias, if any, is kept by rank 0 only, so it is 
 once). The embedding and the head are vocab-parallel: an embedding row is looked up
 by the rank that holds it (zeros elsewhere) and summed over the ranks; each rank's
 head shard gives its logits columns, gathered on rank 0, whose `forward` alone returns
-logits. RMSNorm weights and RoPE are replicated.
+logits. RMSNorm weights and RoPE are replicated. LoRA deltas follow the same split
+(`services.executor.lora_shard`): a row-parallel projection's partial delta joins its
+partial output before the all-reduce.
 """
 
 from __future__ import annotations
@@ -249,7 +251,9 @@ def decoder_layer(ops: AttentionBackend, tp: TPGroup, layer: LayerCalls, x: Tens
 def _lora_decoder_layer(ops: AttentionBackend, tp: TPGroup, layer: LayerCalls, x: Tensor, residual: Tensor | None,
                         cos_sin: Tensor, meta: BatchMetadata, k_cache: Tensor, v_cache: Tensor,
                         lora: LayerDeltas) -> tuple[Tensor, Tensor]:
-    """`decoder_layer` with each projection's LoRA deltas added to its rows (no tensor parallelism)."""
+    """`decoder_layer` with each projection's LoRA deltas added to its rows. Under tensor parallelism a
+    row-parallel projection's delta is this rank's partial one (`lora_shard`), added before the
+    all-reduce that sums the partial outputs (the bias, on rank 0 alone, is in them once)."""
     if residual is None:
         x, residual = ops.rms_norm(x, layer.input_norm, layer.input_eps), x
     else:
@@ -263,13 +267,14 @@ def _lora_decoder_layer(ops: AttentionBackend, tp: TPGroup, layer: LayerCalls, x
     attn = out.view(x.shape[0], -1)
     x = layer.o_proj(attn)
     lora.add(1, attn, x)
+    x = tp.all_reduce(x)
     x, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, layer.post_eps)
     gate_up = layer.gate_up_proj(x)
     lora.add(2, x, gate_up)
     act = ops.silu_and_mul(gate_up)
     down = layer.down_proj(act)
     lora.add(3, act, down)
-    return down, residual
+    return tp.all_reduce(down), residual
 
 
 class LlamaModel(nn.Module):
