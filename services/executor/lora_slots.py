@@ -28,8 +28,8 @@ import torch
 
 from kernels.lora import row_groups
 from services.executor.lora_batch import LoraBatch
-from services.executor.lora_stack import StackedSlots
 from services.executor.lora_shard import shard_lora
+from services.executor.lora_stack import StackedSlots
 from services.executor.lora_weights import LayerLora, LoraLoadError, LoraWeights, load_lora
 from services.executor.models.sharding import ModelShard
 from services.executor.tp_group import TPGroup
