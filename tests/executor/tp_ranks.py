@@ -7,7 +7,9 @@ decode steps of all together), handing each step to the other ranks through the
 group as the executor stage does; the other ranks run `Executor.follow`, the stage's
 own loop. Rank 0 writes every step's float32 logits and the greedy tokens to --out
 (torch.save), with whether rank 0 used int4/int8 copies (`--quantization`). `drive`
-with a size-1 group is the reference run.
+with a size-1 group is the reference run. --loras (JSON, one [name, path, digest] or
+null per prompt) runs each prompt under its LoRA adapter (a slot per distinct adapter);
+rank 0 also writes the prompts whose adapter failed to load.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ import torch
 from services.executor.model_runner import ModelRunner
 from services.executor.service import Executor
 from services.executor.tp_group import TPGroup
-from shared.messages import ExecuteStep, RankStop, ScheduledSeq, SeqSampling
+from shared.lora_options import LoraOptions
+from shared.messages import ExecuteStep, LoraAdapter, RankStop, ScheduledSeq, SeqSampling
 
 GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
 
 
 def make_runner(model: str, group: TPGroup, quantization: str = "none", int4_max_rows: int | None = None) -> ModelRunner:
     return ModelRunner(model, dtype="float32", num_kv_blocks=64, quantization=quantization,
-                       int4_max_rows=int4_max_rows, tp=group)
+                       int4_max_rows=int4_max_rows, tp=group, lora_options=LoraOptions(max_loras=4, max_lora_rank=16))
 
 
 def quantized(runner: ModelRunner) -> dict[str, bool]:
@@ -37,15 +40,21 @@ def quantized(runner: ModelRunner) -> dict[str, bool]:
             "int8_head": model.head_int8 is not None and model.head_int8.max_rows > 0}
 
 
-def drive(runner: ModelRunner, group: TPGroup, prompts: list[list[int]], max_tokens: int):
-    """(logits of every step, greedy tokens per prompt), each step handed to the group first."""
+def drive(runner: ModelRunner, group: TPGroup, prompts: list[list[int]], max_tokens: int,
+          loras: list[LoraAdapter | None] | None = None, failed: set[int] | None = None):
+    """(logits of every step, greedy tokens per prompt), each step handed to the group first; loras:
+    each prompt's adapter (None: the base), failed: gets the prompts whose adapter failed."""
     bs = runner.block_size
     tables = [list(range(1 + i * 8, 1 + (i + 1) * 8)) for i in range(len(prompts))]
+    loras = loras or [None] * len(prompts)
+    slot_of = {a.name: s for s, a in enumerate({a.name: a for a in loras if a is not None}.values())}
+    lora_slots = sorted({(slot_of[a.name], a) for a in loras if a is not None}, key=lambda p: p[0])
 
     def seq(i, tokens, start):
         slots = [tables[i][p // bs] * bs + p % bs for p in range(start, start + len(tokens))]
         return ScheduledSeq(request_id=str(i), token_ids=tokens, start_pos=start, block_table=tables[i],
-                            slot_mapping=slots, sample=True, output_index=start, sampling=GREEDY)
+                            slot_mapping=slots, sample=True, output_index=start, sampling=GREEDY,
+                            lora_slot=-1 if loras[i] is None else slot_of[loras[i].name])
 
     out: list[list[int]] = [[] for _ in prompts]
     logits_per_step = []
@@ -54,9 +63,11 @@ def drive(runner: ModelRunner, group: TPGroup, prompts: list[list[int]], max_tok
             seqs = [seq(i, p, 0) for i, p in enumerate(prompts)]
         else:
             seqs = [seq(i, [o[-1]], len(p) + len(o) - 1) for i, (p, o) in enumerate(zip(prompts, out, strict=True))]
-        step = ExecuteStep(step_id=step_id, seqs=seqs)
+        step = ExecuteStep(step_id=step_id, seqs=seqs, lora_slots=lora_slots)
         group.send(step)
-        logits, _ = runner.compute_logits(step)
+        logits, meta = runner.compute_logits(step)
+        if failed is not None and meta.lora is not None:
+            failed.update(meta.lora.failed)
         logits_per_step.append(logits.clone())
         for o, t in zip(out, logits.argmax(-1).tolist(), strict=True):
             o.append(t)
@@ -75,6 +86,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--quantization", default="none")
     p.add_argument("--int4-max-rows", type=int, default=None)
+    p.add_argument("--loras", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     group = TPGroup.join(args.rank, args.size, args.init, torch.device("cpu"))
@@ -84,11 +96,14 @@ def main() -> int:
         if code == 0:
             group.close()  # as the executor stage does: an exit racing gloo's threads can abort (134)
         return code
-    logits, tokens = drive(runner, group, json.loads(args.prompts), args.max_tokens)
+    loras = None if args.loras is None else [None if a is None else LoraAdapter(*a) for a in json.loads(args.loras)]
+    failed: set[int] = set()
+    logits, tokens = drive(runner, group, json.loads(args.prompts), args.max_tokens, loras, failed)
     group.send(RankStop())
     group.close()
     torch.save({"logits": logits, "tokens": tokens, "num_kv_blocks": runner.num_kv_blocks,
-                "kv_heads": runner.model.num_local_kv_heads, **quantized(runner)}, args.out)
+                "kv_heads": runner.model.num_local_kv_heads, "lora_failed": sorted(failed), **quantized(runner)},
+               args.out)
     return 0
 
 
