@@ -6,7 +6,8 @@
   (4 heads, 2 KV heads: one KV group per rank) and for SmolLM2 (9 heads, 3 KV heads:
   split unevenly, rank 0 holds KV heads 0-1, rank 1 KV head 2; no KV head replicated).
 - Serving: `pagedserve serve --tensor-parallel-size 2` through the HTTP API gives the
-  greedy output of `--tensor-parallel-size 1`; kill -9 of rank 1 mid-run restarts the
+  greedy output of `--tensor-parallel-size 1`, for the base model and for requests under two
+  LoRA adapters (`--lora-modules`) mixed with it; kill -9 of rank 1 mid-run restarts the
   whole executor group, the scheduler recomputes, and every request completes with the
   output of an undisturbed run. The launcher's group rule alone, on sleeping
   processes: a dead rank restarts its whole group and no other stage. Without a
@@ -38,6 +39,7 @@ from tests.e2e.load import dumps, greedy, prompts, run_load
 from tests.executor.tp_ranks import drive, make_runner
 from tests.helpers import ROOT, ServerProcess
 from tests.launcher.test_launcher import BASE_S, CAP_S, SLEEPER, wait_for
+from tests.lora_helpers import make_peft_adapter
 
 TOLERANCE = 1e-4
 LOGIT_TOLERANCE = 1.0  # quantized (int4, bfloat16 activations): as tests/executor/test_cpu_fast_path.py
@@ -284,10 +286,17 @@ def test_serve_passes_the_flag_to_every_rank(tiny_model_dir):
 SERVE = ["--dtype", "float32", "--quantization", "none", "--served-model-name", "tiny-llama", "--num-kv-blocks", "1024"]
 
 
+ADAPTERS = [("first", 8, 1), ("second", 4, 2)]  # (name, rank, seed)
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, tmp_path_factory):
-    tp1 = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("tp1"), SERVE)
-    tp2 = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("tp2"), SERVE + ["--tensor-parallel-size", "2"])
+    root = tmp_path_factory.mktemp("adapters")
+    modules = [f"{name}={make_peft_adapter(tiny_model_dir, root / name, rank=rank, seed=seed, scale=3.0)}"
+               for name, rank, seed in ADAPTERS]
+    serve = SERVE + ["--max-lora-rank", "16", "--lora-modules", *modules]
+    tp1 = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("tp1"), serve)
+    tp2 = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("tp2"), serve + ["--tensor-parallel-size", "2"])
     with tp1, tp2:
         yield tp1, tp2
 
@@ -303,6 +312,20 @@ def test_tp2_server_greedy_equals_tp1(servers):
     stream_bodies = [greedy(p, 24, stream=True) for p in prompts(2, seed=22)]
     expected = asyncio.run(run_load(tp1.url, bodies, stream_bodies))
     assert all(r[0] == 200 for r in expected), dumps(expected)
+    got = asyncio.run(run_load(tp2.url, bodies, stream_bodies))
+    assert got == expected, tp2.log()
+    tp2.wait_blocks_free()
+
+
+def test_tp2_server_adapters_equal_tp1(servers):
+    """Requests under two adapters and the base in the same steps (each prompt under each)."""
+    tp1, tp2 = servers
+    models = ["first", "tiny-llama", "second"]
+    bodies = [{**greedy(p, 16), "model": model} for p in prompts(2, seed=23) for model in models]
+    stream_bodies = [{**greedy(p, 16, stream=True), "model": "second"} for p in prompts(1, seed=24)]
+    expected = asyncio.run(run_load(tp1.url, bodies, stream_bodies))
+    assert all(r[0] == 200 for r in expected), dumps(expected)
+    assert all(len({tuple(r[1]) for r in expected[i : i + 3]}) == 3 for i in (0, 3))  # the adapters change it
     got = asyncio.run(run_load(tp2.url, bodies, stream_bodies))
     assert got == expected, tp2.log()
     tp2.wait_blocks_free()
