@@ -22,12 +22,14 @@ On the CPU, `add_lora_stacked_cpu` runs the same by the C++ backend's `lora_grou
 (`StackedLayouts.groups`), each group through its own slot's columns only (no mask, no
 wasted columns), a slot's A and B read once per tile of rows and never the zero blocks of
 a fused projection's B (`StackedTarget.blocks`), float32 accumulation. Its reference is
-`kernels.lora.add_lora_reference`, as for the torch forms.
+`kernels.lora.add_lora_reference`, as for the torch forms. On CUDA the Triton kernels of
+`kernels.lora_triton` (`triton_kernel`) take the same rows and groups.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +44,7 @@ class StackedTarget:
     bt: Tensor  # [R, out_features]: their B (scaling folded in) matching a's rows, transposed
     layout: int  # index of this target's column slots in its `StackedLayouts`
     blocks: Tensor  # [nb, 4] int64 (c0, c1, n0, n1): columns [c0, c1) of bt are zero outside outputs [n0, n1)
-    kernel: bool = False  # run by `add_lora_stacked_cpu` (else by `add_lora_stacked`)
+    kernel: bool = False  # run by the executor's kernel (the C++ or the Triton one; else by `add_lora_stacked`)
 
 
 class StackedLayouts:
@@ -147,6 +149,16 @@ def cpu_kernel():
 
     ext = load()
     return None if ext is None else getattr(ext, "lora_grouped", None)
+
+
+@functools.cache
+def triton_kernel():
+    """`kernels.lora_triton.add_lora_stacked_triton`, or None without the triton package."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from kernels.lora_triton import add_lora_stacked_triton
+
+    return add_lora_stacked_triton
 
 
 def add_lora_stacked_cpu(x: Tensor, out: Tensor, target: StackedTarget, rows: Tensor, groups: Tensor) -> None:

@@ -3,7 +3,8 @@ slot and, where the executor has one, its stacked table and the step's masks;
 `LoraBatch.layer(i)` gives layer i's `LayerDeltas`, whose `add(proj, x, out)` adds the
 deltas of one fused projection (0 q/k/v, 1 o, 2 gate/up, 3 down: `LayerLora`'s order) by
 the C++ kernel where it is built (on the CPU: every step; a long contiguous run of one
-adapter's rows, a prompt's, by two matmuls on its slice instead), else by the stacked torch form
+adapter's rows, a prompt's, by two matmuls on its slice instead) or the Triton kernels (on
+CUDA: every step), else by the stacked torch form
 where that projection is stacked and the step mixes adapters or scatters their rows, else
 by the grouped form.
 """
@@ -16,7 +17,7 @@ from typing import NamedTuple
 from torch import Tensor
 
 from kernels.lora import Rows, add_lora
-from kernels.lora_stacked import add_lora_stacked, add_lora_stacked_cpu
+from kernels.lora_stacked import add_lora_stacked, add_lora_stacked_cpu, triton_kernel
 from services.executor.lora_stack import StackedSlots
 from services.executor.lora_weights import LoraWeights
 
@@ -31,8 +32,9 @@ class LoraBatch:
     failed: dict[int, str] = field(default_factory=dict)
     stacked: StackedSlots | None = None
     masks: list[Tensor] | None = None  # per layout, for the torch form
-    rows: Tensor | None = None  # for the C++ kernel: the rows under adapters, grouped by slot
-    kernel_groups: list[Tensor] | None = None  # per layout, for the C++ kernel: its groups of `rows`
+    rows: Tensor | None = None  # for the kernel: the rows under adapters, grouped by slot
+    # per layout, for the kernel: its groups of `rows` (Triton: `kernels.lora_triton.TritonGroups`)
+    kernel_groups: list | None = None
     runs: list[tuple[slice, LoraWeights]] = field(default_factory=list)  # long runs the kernel leaves to torch
 
     def layer(self, index: int) -> LayerDeltas | None:
@@ -49,7 +51,9 @@ class LayerDeltas(NamedTuple):
             target = batch.stacked.layers[self.index][proj]
             if target is not None:
                 if target.kernel:
-                    if len(batch.rows):
+                    if batch.stacked.kernel == "triton":
+                        triton_kernel()(x, out, target, batch.rows, batch.kernel_groups[target.layout])
+                    elif len(batch.rows):
                         add_lora_stacked_cpu(x, out, target, batch.rows, batch.kernel_groups[target.layout])
                     if batch.runs:
                         add_lora(x, out, [(rows, weights.layers[self.index][proj]) for rows, weights in batch.runs])

@@ -5,7 +5,7 @@ The scheduler assigns the slots (`services.scheduler.lora_slots`) and every step
 adapter of each slot its rows use (`ExecuteStep.lora_slots`); `prepare` makes the slots hold
 them (from the LRU, else from disk) and groups the step's token rows by slot
 (`kernels.lora.row_groups`; for the C++ kernel `StackedLayouts.groups`, long runs of one
-adapter left to torch) into a `LoraBatch` the model adds the deltas of. The slots'
+adapter left to torch; for the Triton kernels the same groups on the device) into a `LoraBatch` the model adds the deltas of. The slots'
 weights are also kept stacked (`lora_stack`) for steps that mix adapters or scatter their rows;
 a slot change rewrites only that slot's part of the table, so a steady state copies nothing. An adapter that
 fails to load fails its rows alone (`LoraBatch.failed`, 400 naming it); those rows run as
@@ -105,11 +105,15 @@ class ExecutorLoras:
         # matmuls on a slice already: only mixed or scattered rows gain from the stacked form
         if stacked.use_kernel or len(groups) > 1 or not isinstance(groups[0][0], slice):
             batch.stacked = stacked
-            if stacked.use_kernel:
+            if stacked.kernel == "cpu":
                 kernel_slots = token_slots
                 if len(token_slots) >= TORCH_RUN_ROWS:
                     kernel_slots, batch.runs = self._long_runs(token_slots)
                 batch.rows, batch.kernel_groups = stacked.layouts.groups(kernel_slots)
+            elif stacked.kernel == "triton":
+                from kernels.lora_triton import triton_groups
+
+                batch.rows, batch.kernel_groups = triton_groups(*stacked.layouts.groups(token_slots), self.device)
             if stacked.any_torch:
                 batch.masks = stacked.layouts.masks(torch.tensor(token_slots, device=self.device), self.dtype)
         return batch

@@ -12,22 +12,26 @@ its slot's live columns only) and are masked out (slot -2, zero weights) in the 
 On the CPU with the C++ backend (`USE_CPU_KERNEL`), every projection whose adapters each
 have at most `KERNEL_MAX_RANK` columns on it runs by its kernel
 (`kernels.lora_stacked.add_lora_stacked_cpu`: each row through its own slot's columns, so
-no column is wasted). Elsewhere (CUDA, no C++ backend) a projection is stacked for the torch
+no column is wasted). On CUDA with triton installed (`USE_TRITON_KERNEL`) every projection
+runs by the Triton kernels (`kernels.lora_triton`, the same inputs, any rank). Elsewhere
+(no C++ backend, no triton, or a switch off) a projection is stacked for the torch
 form only while its table's width is at most `MAX_STACKED_FRACTION` of its in_features:
 past that the stacked matmuls' wasted columns (each row multiplies every slot's) would cost
 more than the grouped form's per-group ops; such a projection keeps the grouped form
 (`kernels.lora.add_lora`). The stacked copies are in the model's dtype (on the CPU float32
 copies were no faster in a step for bfloat16 models, and twice the bytes; float16 models get
-float32 copies where the kernel may run, as it reads float32 or bfloat16).
+float32 copies where the C++ kernel may run, as it reads float32 or bfloat16).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import Tensor
 
 from kernels.lora import LoraTarget
-from kernels.lora_stacked import StackedLayouts, StackedTarget, column_blocks, cpu_kernel
+from kernels.lora_stacked import StackedLayouts, StackedTarget, column_blocks, cpu_kernel, triton_kernel
 from services.executor.lora_weights import LoraWeights
 
 # measured on SmolLM2 (in_features 576 and 1536) in bfloat16 on a 2-core AMX Xeon: stacking
@@ -38,6 +42,8 @@ MAX_STACKED_FRACTION = 2.0
 # torch forms: the README's LoRA section)
 USE_CPU_KERNEL = True
 KERNEL_MAX_RANK = 192  # per adapter, on one fused projection (rank 64 on each of q/k/v: 192)
+# the Triton kernels for the deltas on CUDA (kernels.lora_triton; no rank limit: they loop over ranks)
+USE_TRITON_KERNEL = True
 GAP = -2  # the slot of a region's columns past its adapter's rank: matches no row (base rows are -1)
 
 
@@ -115,12 +121,13 @@ class ProjectionTable:
             out += [(GAP, cap - r)] if cap > r else []
         return out
 
-    def target(self, layouts: StackedLayouts, use_kernel: bool) -> StackedTarget | None:
-        """This projection as the step runs it (no weights copied), or None for the grouped form."""
+    def target(self, layouts: StackedLayouts, kernel_max_rank: int) -> StackedTarget | None:
+        """This projection as the step runs it (no weights copied), or None for the grouped form;
+        by the kernel if no adapter has more than kernel_max_rank columns on it."""
         live = [r for r in self.ranks if r]
         if not live:
             return None
-        kernel = use_kernel and max(live) <= KERNEL_MAX_RANK
+        kernel = max(live) <= kernel_max_rank
         if not kernel and self.a.shape[0] > MAX_STACKED_FRACTION * self.a.shape[1]:
             return None
         blocks = [b + torch.tensor([begin, begin, 0, 0]) for b, begin in zip(self.blocks, self.offsets, strict=True)
@@ -128,11 +135,23 @@ class ProjectionTable:
         return StackedTarget(self.a, self.bt, layouts.index(self.parts()), torch.cat(blocks), kernel)
 
 
+def kernel_of(device: torch.device) -> str | None:
+    """The kernel that runs the stacked deltas on device: "cpu" (C++), "triton", or None (torch only)."""
+    if device.type == "cpu" and USE_CPU_KERNEL and cpu_kernel() is not None:
+        return "cpu"
+    if device.type == "cuda" and USE_TRITON_KERNEL and triton_kernel() is not None:
+        return "triton"
+    return None
+
+
 class StackedSlots:
     def __init__(self, slots: list[LoraWeights | None], device: torch.device, dtype: torch.dtype):
-        self.use_kernel = USE_CPU_KERNEL and device.type == "cpu" and cpu_kernel() is not None
-        # the kernel reads float32 or bfloat16 weights (float16 models: float32 copies)
-        self.dtype = dtype if not self.use_kernel or dtype in (torch.float32, torch.bfloat16) else torch.float32
+        self.kernel = kernel_of(device)
+        self.use_kernel = self.kernel is not None
+        self.kernel_max_rank = {"cpu": KERNEL_MAX_RANK, "triton": sys.maxsize}.get(self.kernel, 0)
+        # the C++ kernel reads float32 or bfloat16 weights (float16 models: float32 copies)
+        self.dtype = (torch.float32 if self.kernel == "cpu" and dtype not in (torch.float32, torch.bfloat16)
+                      else dtype)
         self.device, self.num_slots = device, len(slots)
         self.tables: list[list[ProjectionTable]] = []
         self.layouts = StackedLayouts(device)
@@ -150,7 +169,7 @@ class StackedSlots:
                 table.set({slot: None if w is None else w.layers[i][proj] for slot, w in changes.items()})
         # fresh layouts (a few small tensors) so old slots' layouts do not pile up in every step's masks
         self.layouts = StackedLayouts(self.device)
-        self.layers = [[table.target(self.layouts, self.use_kernel) for table in row] for row in self.tables]
+        self.layers = [[table.target(self.layouts, self.kernel_max_rank) for table in row] for row in self.tables]
         self.any_torch = any(t is not None and not t.kernel for row in self.layers for t in row)
 
     @property
