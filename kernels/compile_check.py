@@ -54,9 +54,10 @@ def compiling_instead_of_launching(arch: int, report: Callable[[str, float, int]
     target = GPUTarget("cuda", arch, 32)
 
     def run(self, *args, grid, warmup, **kwargs):
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
         sig, constants = _signature(self, args, kwargs)
         start = time.perf_counter()
-        compiled = triton_compile(ASTSource(self, sig, constants), target=target)
+        compiled = triton_compile(ASTSource(self, sig, constants), target=target, options=options)
         report(self.fn.__name__, time.perf_counter() - start, compiled.metadata.shared)
 
     original = JITFunction.run
@@ -94,6 +95,24 @@ def launches(quick: bool) -> Iterator[tuple[str, Callable[[], object]]]:
         yield f"prefill, sliding window, {what}", partial(prefill, sliding_window=100)
         yield f"write_kv_to_cache, {what}", partial(write_kv_to_cache, kv, kv, cache, cache, lens)
         yield f"copy_blocks, {what}", partial(copy_blocks, [cache], [cache], [(1, 2), (2, 3)])
+    yield from lora_launches(dtypes[::2] if quick else dtypes)
+
+
+def lora_launches(dtypes: list[torch.dtype]) -> Iterator[tuple[str, Callable[[], object]]]:
+    """The LoRA kernels (`kernels.lora_triton`): a decode-sized group and a prompt-sized one, rank 8
+    and 3 x 64 (a fused q/k/v at rank 64), in_features in one chunk and in several."""
+    from kernels.lora_stacked import StackedTarget
+    from kernels.lora_triton import TritonGroups, add_lora_stacked_triton
+
+    for dtype in dtypes:
+        for in_features, out_features, rank, rows in ((576, 960, 8, 3), (4096, 6144, 192, 300)):
+            target = StackedTarget(torch.zeros(2 * rank, in_features, dtype=dtype),
+                                   torch.zeros(2 * rank, out_features, dtype=dtype), 0, torch.zeros(0, 4), True)
+            groups = TritonGroups(torch.tensor([[0, rows, 0, rank], [rows, 2 * rows, rank, 2 * rank]]), rows, rank)
+            x, out = torch.zeros(2 * rows, in_features, dtype=dtype), torch.zeros(2 * rows, out_features, dtype=dtype)
+            what = f"{in_features} -> {out_features}, rank {rank}, {rows} rows a group, {str(dtype).removeprefix('torch.')}"
+            yield f"lora shrink and expand, {what}", partial(add_lora_stacked_triton, x, out, target,
+                                                             torch.arange(2 * rows), groups)
 
 
 def check(arch: int, quick: bool) -> int:
