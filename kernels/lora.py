@@ -11,8 +11,9 @@ its parts.
 `add_lora` is the segmented form: rows grouped by adapter, one shrink and one expand matmul
 per group (a slice when a group's rows are contiguous, else a gather and an index_add).
 `add_lora_reference` is the plain form it is tested against: row by row, with each part's
-merged weight delta B @ A as PEFT's merge computes it. A C++ or Triton kernel would take
-the same groups; these are torch only (see the README's LoRA section).
+merged weight delta B @ A as PEFT's merge computes it. The kernels (C++ on the CPU, Triton on
+CUDA: `kernels.lora_stacked`, `kernels.lora_triton`) take the slots' targets stacked and the
+rows grouped by slot, and are tested against the same reference (see the README's LoRA section).
 """
 
 from __future__ import annotations
