@@ -5,10 +5,11 @@ The scheduler assigns the slots (`services.scheduler.lora_slots`) and every step
 adapter of each slot its rows use (`ExecuteStep.lora_slots`); `prepare` makes the slots hold
 them (from the LRU, else from disk) and groups the step's token rows by slot
 (`kernels.lora.row_groups`; for the C++ kernel `StackedLayouts.groups`, long runs of one
-adapter left to torch; for the Triton kernels the same groups on the device) into a `LoraBatch` the model adds the deltas of. The slots'
-weights are also kept stacked (`lora_stack`) for steps that mix adapters or scatter their rows;
-a slot change rewrites only that slot's part of the table, so a steady state copies nothing. An adapter that
-fails to load fails its rows alone (`LoraBatch.failed`, 400 naming it); those rows run as
+adapter left to torch; for the Triton kernels the same groups on the device) into a
+`LoraBatch` the model adds the deltas of. The slots' weights are also kept stacked
+(`lora_stack`) for steps that mix adapters or scatter their rows; a slot change rewrites only
+that slot's part of the table, so a steady state copies nothing. An adapter that fails to
+load fails its rows alone (`LoraBatch.failed`, 400 naming it); those rows run as
 the base model meanwhile and their output is dropped. On the CPU a slot shares the host
 copy's tensors (no copy).
 
