@@ -44,9 +44,10 @@ def mixed(block_size):
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2)], ids=["mha", "gqa3", "gqa4"])
 @pytest.mark.parametrize("window", [None, 7])
-def test_paged_attention_matches_reference(dtype, block_size, heads, window):
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # 64/128 take the AVX-512 two-pass path, 80 the online one
+def test_paged_attention_matches_reference(dtype, block_size, heads, window, head_dim):
     num_heads, num_kv_heads = heads
-    inputs = build(mixed(block_size), num_heads, num_kv_heads, 64, block_size, dtype, pad_columns=2)
+    inputs = build(mixed(block_size), num_heads, num_kv_heads, head_dim, block_size, dtype, pad_columns=2)
     expected = reference.paged_attention(
         **{k: (v.float() if k in ("query", "k_cache", "v_cache") else v) for k, v in inputs.items()},
         sliding_window=window)
