@@ -26,16 +26,22 @@ from kernels.cpu.build import load
 from kernels.cpu.dense_attention import attend
 from kernels.custom_ops import cpu_ops
 
-# where a chunk's attention runs faster through SDPA than through the C++ kernel, in bfloat16 and float32
-# (`python -m benchmarks.dense_prefill`, SmolLM2's heads, one layer, 1 thread of an AMX Xeon): 16 rows
-# over 256 keys of earlier context 1.4-1.9x faster by SDPA, 8 rows even; from position 0 (q_len x q_len)
-# SDPA's ~0.05 ms a call pays from ~48 rows (bfloat16) or ~64 (float32): 4096 pairs
+# where a chunk's attention runs faster through SDPA than through the C++ kernel (`python -m
+# benchmarks.dense_prefill`, SmolLM2's heads, one layer, 2 threads of an AMX Xeon). The AVX-512 two-pass
+# kernel ties SDPA at about 50K query x key pairs whatever the chunk's start (bfloat16: 150 rows from
+# position 0 0.85x SDPA's time, 96 rows over 256 keys 0.89x, 32 over 2048 0.91x; 256 from 0 1.4x, 64
+# over 2048 1.5x; float32 favours the kernel further). The online kernel (AVX2 and other head sizes)
+# gave way from 16 rows and 4096 pairs (1 thread: 16 rows over 256 keys 1.4-1.9x faster by SDPA).
 DENSE_MIN_ROWS = 16
 DENSE_MIN_WORK = 4096
+DENSE_MIN_WORK_TWO_PASS = 49152
 
 
-def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int = DENSE_MIN_WORK,
+def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int | None = None,
                  ) -> AttentionBackend:
+    if dense_min_work is None:
+        two_pass = getattr(ext, "two_pass_attention", lambda: False)()
+        dense_min_work = DENSE_MIN_WORK_TWO_PASS if two_pass else DENSE_MIN_WORK
     ops = cpu_ops(ext)
     compiling = torch.compiler.is_compiling  # a constant True to dynamo; ~0.1 us eagerly
 

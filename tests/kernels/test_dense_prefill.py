@@ -96,15 +96,19 @@ def test_a_strided_query_and_a_cache_in_another_dtype():
 
 
 def test_the_default_thresholds_pick_the_path_by_rows_and_work():
-    """Under DENSE_MIN_ROWS rows, or q_len x context under DENSE_MIN_WORK: the C++ kernel's bits; else SDPA's."""
-    from kernels.cpu.backend import DENSE_MIN_ROWS, DENSE_MIN_WORK
+    """Under DENSE_MIN_ROWS rows, or q_len x context under the build's minimum work (DENSE_MIN_WORK_TWO_PASS
+    where the kernel takes its AVX-512 two-pass path, else DENSE_MIN_WORK): the C++ kernel's bits; else SDPA's."""
+    from kernels.cpu.backend import DENSE_MIN_ROWS, DENSE_MIN_WORK, DENSE_MIN_WORK_TWO_PASS
 
+    min_work = DENSE_MIN_WORK_TWO_PASS if ext.two_pass_attention() else DENSE_MIN_WORK
     backend = make_backend(ext)
     cases = {  # (context, q_len): SDPA?
-        (300, DENSE_MIN_ROWS): True,
-        (300, DENSE_MIN_ROWS - 1): False,
-        (32, 32): 32 * 32 >= DENSE_MIN_WORK,
-        (64, 64): 64 * 64 >= DENSE_MIN_WORK,
+        (4000, DENSE_MIN_ROWS): DENSE_MIN_ROWS * 4000 >= min_work,
+        (4000, DENSE_MIN_ROWS - 1): False,
+        (32, 32): 32 * 32 >= min_work,
+        (64, 64): 64 * 64 >= min_work,
+        (256, 256): 256 * 256 >= min_work,
+        (300, 150): 300 * 150 >= min_work,
     }
     for (ctx, q_len), sdpa in cases.items():
         inputs = build([(ctx, q_len), (20, 1)], 9, 3, 64, 16, torch.bfloat16, seed=ctx + q_len)

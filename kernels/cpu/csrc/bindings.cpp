@@ -20,6 +20,13 @@ void lora_grouped(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, con
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &pagedserve::paged_attention, "paged attention over a block table (decode and prefill)");
+  m.def("two_pass_attention", [] {
+#if defined(__AVX512F__)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether paged_attention takes the AVX-512 two-pass path (head_dim 64/128, blocks of 16k tokens)");
   m.def("rms_norm", &pagedserve::rms_norm, "out = weight * rms_norm(x)");
   m.def("fused_add_rms_norm", &pagedserve::fused_add_rms_norm, "residual += x; x = weight * rms_norm(residual)");
   m.def("silu_and_mul", &pagedserve::silu_and_mul, "out = silu(gate) * up");
