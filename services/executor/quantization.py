@@ -7,8 +7,8 @@ dense weight and a quantized copy, and each call picks by its number of rows
 (`max_rows`, measured once at load by `calibrate`: the crossover is the machine's).
 
 - Decoder projections: int4, asymmetric, groups of 32, min/max per group: exactly
-  GGUF's Q4_1. With the C++ backend they run by its `q4_linear` (`Q4Weight`: float32
-  scale and min, the input rows quantized to int8 per group of 32 as llama.cpp does,
+  GGUF's Q4_1. With the C++ backend they run by its `q4_linear` (`Q4Weight`: float16
+  scale and min where they fit, as GGUF stores them, else float32; the input rows quantized to int8 per group of 32 as llama.cpp does,
   integer dot products; its time hardly grows with the rows, where torch's kernel
   unpacks the weights again for every row). Without it, by torch's
   `_weight_int4pack_mm_for_cpu` (`Int4Weight`: bfloat16 activations; the per-group
@@ -71,7 +71,7 @@ class Int4Weight:
 @dataclass
 class Q4Weight:
     """Q4_1 weight [out, in] in the C++ kernel's packed layout (kernels.reference.q4_pack): w = d * code + m
-    per group of 32, d and m float32. `op` is the backend's `q4_linear`."""
+    per group of 32, d and m float16 or float32 (`compact_scales`). `op` is the backend's `q4_linear`."""
 
     packed: Tensor
     d: Tensor
@@ -174,9 +174,12 @@ def quantize_q8(weight: Tensor, op: Callable[[Tensor, Tensor, Tensor, Tensor], T
     codes, scale = q8_0_codes(weight)
     shifted = (codes + 128).to(torch.int64).view(weight.shape)
     scale = scale.squeeze(-1)
-    high = reference.q4_pack(shifted >> 4, 16 * scale, -128 * scale)
-    low = reference.q4_pack(shifted & 15, scale, torch.zeros_like(scale))
-    return Q8Weight(Q4Weight(*high, weight.shape[0], op), Q4Weight(*low, weight.shape[0], op))
+    high_packed, high_d, high_m = reference.q4_pack(shifted >> 4, 16 * scale, -128 * scale)
+    low_packed, low_d, low_m = reference.q4_pack(shifted & 15, scale, torch.zeros_like(scale))
+    # both planes' scales in one dtype: float16 only if every one of them fits
+    d, m = compact_scales(torch.stack([high_d, low_d]), torch.stack([high_m, low_m]))
+    return Q8Weight(Q4Weight(high_packed, d[0], m[0], weight.shape[0], op),
+                    Q4Weight(low_packed, d[1], m[1], weight.shape[0], op))
 
 
 def quantizable(weight: Tensor) -> bool:
@@ -201,12 +204,24 @@ def quantize_int4(weight: Tensor) -> Int4Weight:
     return Int4Weight(packed, scales_zeros.to(torch.bfloat16).contiguous(), out_features)
 
 
+def compact_scales(d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+    """d and m in float16 when that keeps every one to float16's precision (0, or a normal float16:
+    GGUF stores Q4_1 and Q8_0 scales so), else in float32 as they are. A decode step reads the
+    scales beside the 4-bit codes: float16 ones are 20 bytes a group of 32 weights where float32
+    ones are 24 (SmolLM2's decoder: 66 MB a step instead of 79 MB)."""
+    both = torch.cat([d.flatten(), m.flatten()]).abs()
+    tiny, largest = torch.finfo(torch.float16).tiny, torch.finfo(torch.float16).max
+    if bool(((both == 0) | ((both >= tiny) & (both <= largest))).all()):
+        return d.to(torch.float16), m.to(torch.float16)
+    return d, m
+
+
 def quantize_q4(weight: Tensor, op: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Q4Weight:
-    """The weight's Q4_1 blocks (float32 scale and min: a Q4_1-valued tensor round-trips exactly)
-    in the C++ kernel's layout."""
+    """The weight's Q4_1 blocks in the C++ kernel's layout, scale and min in float16 where they fit
+    (`compact_scales`; float32 otherwise, where a Q4_1-valued tensor round-trips exactly)."""
     codes, scale, low = q4_1_codes(weight)
     packed, d, m = reference.q4_pack(codes.view(weight.shape), scale.squeeze(-1), low.squeeze(-1))
-    return Q4Weight(packed, d, m, weight.shape[0], op)
+    return Q4Weight(packed, *compact_scales(d, m), weight.shape[0], op)
 
 
 def dequantize(w: Int4Weight, codes: Tensor) -> Tensor:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.cpu.build import load as load_cpu_kernels
 from services.executor import quantization as q
 from services.executor.loader import load_model
 from services.executor.models.llama import Linear
@@ -132,7 +133,8 @@ def test_q8_0_as_two_4bit_planes_is_the_same_weight():
     m_hi = q8.high.m.transpose(1, 2).reshape(64, 4).repeat_interleave(32, dim=1)
     d_lo = q8.low.d.transpose(1, 2).reshape(64, 4).repeat_interleave(32, dim=1)
     assert torch.equal(d_hi * high + m_hi + d_lo * low, w)  # the planes hold the file's values exactly
-    assert q8.in_features == 128 and q8.nbytes == 2 * (64 * 128 // 2 + 2 * 64 * 4 * 4)
+    assert q8.high.d.dtype == q8.low.m.dtype == torch.float16  # the file's scales fit float16
+    assert q8.in_features == 128 and q8.nbytes == 2 * (64 * 128 // 2 + 2 * 64 * 4 * 2)
     x = torch.randn(5, 128)
     ref = x @ w.t()
     # the input rows are quantized to int8 per group of 32, as for Q4 weights
@@ -208,3 +210,24 @@ def test_step_forward_equals_forward_and_reuses_its_buffer_for_few_rows():
         first = lin.step_forward(x[:2]).clone()
         again = lin.step_forward(x[2:4])  # the same buffer: the earlier result is gone, as documented
         assert torch.equal(again, lin.forward(x[2:4])) and not torch.equal(again, first)
+
+
+def test_scales_stay_float32_where_float16_would_round_them():
+    """float16 scale and min where every one is 0 or a normal float16 (a third fewer bytes a step);
+    a group of tiny weights (scale under float16's smallest normal) keeps float32, so that no
+    group loses its precision, and the kernel gives the same product either way."""
+    w = torch.randn(32, 64) * 0.02
+    fp16 = q.quantize_q4(w, reference.q4_linear)
+    assert fp16.d.dtype == fp16.m.dtype == torch.float16
+    w[3, :32] *= 1e-4  # one group of tiny weights: its scale is a float16 subnormal
+    kept = q.quantize_q4(w, reference.q4_linear)
+    assert kept.d.dtype == kept.m.dtype == torch.float32
+    codes, scale, low = q.q4_1_codes(w)
+    assert torch.equal(kept.d.transpose(1, 2).reshape(32, 2), scale.squeeze(-1))
+    ext = load_cpu_kernels()
+    if ext is not None:
+        x = torch.randn(5, 64)
+        half, full = torch.empty(5, 32), torch.empty(5, 32)
+        ext.q4_linear(half, x, fp16.packed, fp16.d, fp16.m)
+        ext.q4_linear(full, x, fp16.packed, fp16.d.float(), fp16.m.float())
+        assert torch.equal(half, full)  # float16 scales widen exactly

@@ -12,7 +12,7 @@
 // Weights are packed 16 output rows at a time so that one 32-bit lane holds 4 inputs of one row:
 // packed[block][g][h][lane][byte], h = 0..3, with the low nibble the code of input
 // g*32 + h*4 + byte and the high nibble that of input g*32 + (h+4)*4 + byte; d and m as
-// [block][g][lane] float32. `kernels/reference.py` has the same computation in plain torch.
+// [block][g][lane] float32 or float16. `kernels/reference.py` has the same computation in plain torch.
 #include "common.h"
 
 #include <immintrin.h>
@@ -99,8 +99,17 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* cx, float* dx, floa
 }
 
 // acc[i] (16 output rows of input row m0 + i) for one packed block, all groups.
+inline float scale_at(const float* p, int64_t i) { return p[i]; }
+inline float scale_at(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t* cx, const float* dx,
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename S>
+void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
                 const float* sx, int64_t rows, int64_t K, int64_t G, float* out, int64_t ldo) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[kRowTile];
@@ -113,7 +122,7 @@ void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t
       w[h] = _mm512_and_si512(v, low4);
       w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
-    const __m512 dv = _mm512_loadu_ps(d + g * kLanes), mv = _mm512_loadu_ps(mn + g * kLanes);
+    const __m512 dv = load_scales(d + g * kLanes), mv = load_scales(mn + g * kLanes);
     for (int64_t i = 0; i < rows; ++i) {
       const int8_t* xg = cx + i * K + g * kGroup;
       __m512i s = _mm512_setzero_si512();
@@ -126,8 +135,13 @@ void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // R (a compile-time count) input rows, so that their accumulators stay in registers.
-template <int R>
-void block_rows_fixed(const uint8_t* wp, const float* d, const float* mn, const int8_t* cx, const float* dx,
+inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scales(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int R, typename S>
+void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
                       const float* sx, int64_t K, int64_t G, float* out, int64_t ldo) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int half = 0; half < 2; ++half) {  // lanes 0-7, then 8-15 of the 16-row block
@@ -141,8 +155,8 @@ void block_rows_fixed(const uint8_t* wp, const float* d, const float* mn, const 
         w[h] = _mm256_and_si256(v, low4);
         w[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       }
-      const __m256 dv = _mm256_loadu_ps(d + g * kLanes + half * 8);
-      const __m256 mv = _mm256_loadu_ps(mn + g * kLanes + half * 8);
+      const __m256 dv = load_scales(d + g * kLanes + half * 8);
+      const __m256 mv = load_scales(mn + g * kLanes + half * 8);
       for (int i = 0; i < R; ++i) {
         const int8_t* xg = cx + i * K + g * kGroup;
         // each maddubs pair sum is at most 2 * 15 * 127: eight of them still fit in int16
@@ -160,7 +174,8 @@ void block_rows_fixed(const uint8_t* wp, const float* d, const float* mn, const 
 
 // Tiles of 4 rows: with 8, the 16 AVX2 registers cannot hold the weights and accumulators and the
 // compiler spills (single thread, SmolLM2 shapes: 4 rows per tile 5-23% faster than 8 at 1-64 rows).
-void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t* cx, const float* dx,
+template <typename S>
+void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
                 const float* sx, int64_t rows, int64_t K, int64_t G, float* out, int64_t ldo) {
   int64_t i = 0;
   for (; i + 4 <= rows; i += 4)
@@ -175,7 +190,8 @@ void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t
   }
 }
 #else
-void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t* cx, const float* dx,
+template <typename S>
+void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
                 const float* sx, int64_t rows, int64_t K, int64_t G, float* out, int64_t ldo) {
   for (int64_t i = 0; i < rows; ++i) {
     float acc[kLanes] = {};
@@ -189,7 +205,8 @@ void block_rows(const uint8_t* wp, const float* d, const float* mn, const int8_t
             const uint8_t byte = wg[h * 64 + lane * 4 + b];
             s += (byte & 0x0F) * xg[h * 4 + b] + (byte >> 4) * xg[(h + 4) * 4 + b];
           }
-        acc[lane] += static_cast<float>(s) * (d[g * kLanes + lane] * dx[i * G + g]) + mn[g * kLanes + lane] * sx[i * G + g];
+        acc[lane] += static_cast<float>(s) * (scale_at(d, g * kLanes + lane) * dx[i * G + g]) +
+                     scale_at(mn, g * kLanes + lane) * sx[i * G + g];
       }
     }
     std::memcpy(out + i * ldo, acc, sizeof(acc));
@@ -205,9 +222,10 @@ void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "q4_linear: x must be [M, K], contiguous");
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
   TORCH_CHECK(K % kGroup == 0, "q4_linear: K must be a multiple of ", kGroup);
-  TORCH_CHECK(d.dim() == 3 && d.size(1) == G && d.size(2) == kLanes && d.scalar_type() == at::kFloat &&
-                  d.is_contiguous() && mn.sizes() == d.sizes() && mn.scalar_type() == at::kFloat && mn.is_contiguous(),
-              "q4_linear: d and m must be float32 [N / 16, K / 32, 16], contiguous");
+  TORCH_CHECK(d.dim() == 3 && d.size(1) == G && d.size(2) == kLanes &&
+                  (d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf) && d.is_contiguous() &&
+                  mn.sizes() == d.sizes() && mn.scalar_type() == d.scalar_type() && mn.is_contiguous(),
+              "q4_linear: d and m must be float32 or float16 [N / 16, K / 32, 16], contiguous, of one dtype");
   const int64_t blocks = d.size(0), N = blocks * kLanes;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == N * K / 2,
               "q4_linear: packed must be uint8 with N * K / 2 bytes, contiguous");
@@ -221,18 +239,23 @@ void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
     quantize_rows(x.data_ptr<scalar_t>(), M, K, cx.data(), dx.data(), sx.data(), at::get_num_threads());
   });
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = mn.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks / 4)));
+  auto run = [&](const auto* dp, const auto* mp) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-      const int64_t rows = std::min(kRowTile, M - m0);
-      block_rows(wp + b * G * 4 * 64, dp + b * G * kLanes, mp + b * G * kLanes, cx.data() + m0 * K,
-                 dx.data() + m0 * G, sx.data() + m0 * G, rows, K, G, op + m0 * N + b * kLanes, N);
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+        const int64_t rows = std::min(kRowTile, M - m0);
+        block_rows(wp + b * G * 4 * 64, dp + b * G * kLanes, mp + b * G * kLanes, cx.data() + m0 * K,
+                   dx.data() + m0 * G, sx.data() + m0 * G, rows, K, G, op + m0 * N + b * kLanes, N);
+      }
     }
-  }
+  };
+  // float16 scales (GGUF's own precision) read a third fewer bytes than float32 ones
+  if (d.scalar_type() == at::kHalf)
+    run(d.data_ptr<c10::Half>(), mn.data_ptr<c10::Half>());
+  else
+    run(d.data_ptr<float>(), mn.data_ptr<float>());
 }
 
 }  // namespace pagedserve
