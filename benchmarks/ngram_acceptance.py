@@ -28,8 +28,9 @@ import numpy as np
 from benchmarks.greedy_outputs import DEFAULT_OUT
 from services.scheduler.ngram_proposer import propose_ngram
 
-# step(1 + k tokens) / step(1 token), k = 0..8, SmolLM2 at C=1 (benchmarks.verify_cost on the 2-core host)
-DEFAULT_COST = (1.0, 1.05, 1.09, 1.13, 1.17, 1.21, 1.25, 1.29, 1.33)
+# step(1 + k tokens) / step(1 token), k = 0..8: SmolLM2 at C=1, int4 copies on every step (wall p50 ratios
+# of benchmarks.verify_cost on the 2-core host)
+DEFAULT_COST = (1.0, 1.20, 1.32, 1.49, 1.62, 1.70, 1.80, 1.87, 2.01)
 
 
 def match_length(history: np.ndarray, end: int, limit: int) -> int:
@@ -113,7 +114,7 @@ class Proposer:
             followers = history[hits + n]
             values, counts = np.unique(followers, return_counts=True)
             top = counts.max()
-            best = [v for v, c in zip(values, counts) if c == top]
+            best = set(values[counts == top].tolist())
             tok = next(int(f) for f in followers[::-1] if f in best)  # the latest of the most frequent
             if n < self.stop_below and top / hits.size < self.stop_share:
                 return draft
@@ -164,18 +165,22 @@ def replay(proposer: Proposer, prompt: list[int], output: list[int], cost: tuple
 
 
 def variants() -> list[Proposer]:
-    out = [Proposer("current: n 1-4, k 4")]
+    def scaled(n: int, k: int) -> int:
+        return n
+
+    out = [Proposer("old default: n 1-4, k 4")]
     out += [Proposer(f"n 1-4, k {k}", k=k) for k in (2, 3, 5, 6, 8)]
-    out += [Proposer(f"n {lo}-{hi}, k 4", min_n=lo, max_n=hi) for lo, hi in ((2, 4), (3, 4), (1, 8), (1, 16), (2, 16),
-                                                                         (3, 16))]
+    out += [Proposer(f"n {lo}-{hi}, k 4", min_n=lo, max_n=hi) for lo, hi in ((2, 4), (3, 4), (1, 16), (2, 16))]
     out += [Proposer("n 1-4, k 4, prefer prompt", select="prompt"),
             Proposer("n 1-16, k 8, prefer prompt", k=8, max_n=16, select="prompt")]
-    out += [Proposer("n 1-16, k 8, k = match length", k=8, max_n=16, k_of_match=lambda n, k: n),
-            Proposer("n 1-16, k 8, k = 2 x match length", k=8, max_n=16, k_of_match=lambda n, k: 2 * n),
+    out += [Proposer("n 1-16, k 8, k = 2 x match length", k=8, max_n=16, k_of_match=lambda n, k: 2 * n),
             Proposer("n 1-16, k 8, k = match - 1", k=8, max_n=16, k_of_match=lambda n, k: n - 1),
-            Proposer("n 2-16, k 8, k = match length", k=8, min_n=2, max_n=16, k_of_match=lambda n, k: n),
             Proposer("n 1-16, k 8, 1 if match 1 else 8", k=8, max_n=16, k_of_match=lambda n, k: 1 if n < 2 else k),
-            Proposer("n 1-16, k 8, 2 if match < 3 else 8", k=8, max_n=16, k_of_match=lambda n, k: 2 if n < 3 else k)]
+            Proposer("n 1-16, k 8, 2 if match < 3 else 8", k=8, max_n=16, k_of_match=lambda n, k: 2 if n < 3 else k),
+            Proposer("n 1-8, k 4, k = match length", max_n=8, k_of_match=scaled),
+            Proposer("n 1-8, k 8, k = match length", k=8, max_n=8, k_of_match=scaled)]
+    out += [Proposer(f"n 2-8, k {k}, k = match length" + (" (new default)" if k == 4 else ""), k=k, min_n=2,
+                     max_n=8, k_of_match=scaled) for k in (3, 4, 6, 8)]
     out += [Proposer("n 1-4, k 8, adaptive", k=8, adaptive=True),
             Proposer("n 1-16, k 8, adaptive", k=8, max_n=16, adaptive=True),
             Proposer("n 1-4, k 4, suffix pointer", pointer=True),
@@ -190,15 +195,17 @@ def variants() -> list[Proposer]:
     return out
 
 
-def check_current(data: dict, output_len: int) -> None:
-    """The simulator's "current" design is the engine's propose_ngram, draft for draft."""
-    sim = Proposer("current")
-    sim.reset()
-    for req in data["copy"][:2]:
-        prompt, output = req["prompt"], req["output"][:output_len]
-        for pos in range(1, len(output)):
-            tokens = prompt + output[:pos]
-            assert sim.propose(tokens, len(prompt), 4) == propose_ngram(tokens, 4, 1, 4), pos
+def check_engine(data: dict, output_len: int) -> None:
+    """The simulator's designs that the engine offers are its propose_ngram, draft for draft:
+    the old default and the new one (`SpeculativeConfig`'s)."""
+    for sim, n_range, per_match in ((Proposer("old"), (1, 4), 0),
+                                    (Proposer("new", min_n=2, max_n=8, k_of_match=lambda n, k: n), (2, 8), 1)):
+        sim.reset()
+        for req in data["copy"][:2]:
+            prompt, output = req["prompt"], req["output"][:output_len]
+            for pos in range(1, len(output)):
+                tokens = prompt + output[:pos]
+                assert sim.propose(tokens, len(prompt), 4) == propose_ngram(tokens, 4, *n_range, per_match), pos
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     data = json.loads(args.outputs.read_text())
     cost = tuple(args.cost)
-    check_current(data, args.output_len)
+    check_engine(data, args.output_len)
     print(f"{args.output_len} output tokens; cost(k) = {', '.join(f'{c:.2f}' for c in cost)}")
     print(f"| variant | {' | '.join(f'{s}: tok/step, accept %, steps/req, TPOT ratio' for s in data)} |")
     print("|---|" + "---|" * len(data))
