@@ -67,6 +67,8 @@ class Proposer:
     chain: bool = False  # draft token by token: each the most frequent follower of the longest suffix
     stop_below: int = 0  # chain: stop drafting where the longest matched suffix is shorter than this ...
     stop_share: float = 1.0  # ... and its most frequent follower has less than this share of its occurrences
+    corpus: list[int] | None = None  # earlier requests' outputs, as a cache across requests (llama.cpp's
+    # ngram-cache keeps one): a longer match there than in the sequence's own tokens proposes
     state: dict = field(default_factory=dict)
 
     def reset(self) -> None:
@@ -83,6 +85,11 @@ class Proposer:
             self.state["from"] = src
             return tokens[src : src + k]
         history, follow = candidates(tokens, self.min_n)
+        if self.corpus is not None:
+            found = self.corpus_match(tokens, k, min(follow.size and max(
+                match_length(history, int(f), self.max_n) for f in follow), self.max_n))
+            if found:
+                return found
         if not follow.size:
             return []
         lengths = [match_length(history, int(f), self.max_n) for f in follow]
@@ -98,6 +105,20 @@ class Proposer:
             k = min(k, self.k_of_match(best, self.k))
         self.state["from"] = start
         return tokens[start : start + k]
+
+    def corpus_match(self, tokens: list[int], k: int, own: int) -> list[int]:
+        """What followed the latest occurrence, in earlier requests' outputs, of a suffix longer
+        than the sequence's own longest match (and at least 2 tokens), or []."""
+        corpus = np.asarray(self.corpus, dtype=np.int64)
+        tail = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.max_n, len(tokens), len(corpus) - 1), max(own, 1), -1):
+            windows = np.lib.stride_tricks.sliding_window_view(corpus[:-1], n)
+            hits = np.flatnonzero((windows == tail[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                self.state["from"] = None
+                return self.corpus[start : start + (min(k, self.k_of_match(n, self.k)) if self.k_of_match else k)]
+        return []
 
     def propose_chain(self, tokens: list[int], k: int) -> list[int]:
         ext = list(tokens)
@@ -162,6 +183,8 @@ def replay(proposer: Proposer, prompt: list[int], output: list[int], cost: tuple
         tally.accepted += accepted
         tally.cost += cost[len(draft)]
         pos = nxt + 1
+    if proposer.corpus is not None:
+        proposer.corpus.extend(output)
 
 
 def variants() -> list[Proposer]:
@@ -179,7 +202,7 @@ def variants() -> list[Proposer]:
             Proposer("n 1-16, k 8, 2 if match < 3 else 8", k=8, max_n=16, k_of_match=lambda n, k: 2 if n < 3 else k),
             Proposer("n 1-8, k 4, k = match length", max_n=8, k_of_match=scaled),
             Proposer("n 1-8, k 8, k = match length", k=8, max_n=8, k_of_match=scaled)]
-    out += [Proposer(f"n 2-8, k {k}, k = match length" + (" (new default)" if k == 4 else ""), k=k, min_n=2,
+    out += [Proposer(f"n 2-8, k {k}, k = match length" + (" (new default)" if k == 3 else ""), k=k, min_n=2,
                      max_n=8, k_of_match=scaled) for k in (3, 4, 6, 8)]
     out += [Proposer("n 1-4, k 8, adaptive", k=8, adaptive=True),
             Proposer("n 1-16, k 8, adaptive", k=8, max_n=16, adaptive=True),
@@ -192,6 +215,10 @@ def variants() -> list[Proposer]:
             Proposer("chain n 1-8, k 8, stop n<3 & share<.6", k=8, max_n=8, chain=True, stop_below=3,
                      stop_share=0.6),
             Proposer("chain n 2-8, k 8", k=8, min_n=2, max_n=8, chain=True)]
+    out += [Proposer("n 1-8, k 4, + earlier outputs", max_n=8, corpus=[]),
+            Proposer("n 1-8, k 8, + earlier outputs", k=8, max_n=8, corpus=[]),
+            Proposer("n 2-8, k 8, k = match length, + earlier outputs", k=8, min_n=2, max_n=8, k_of_match=scaled,
+                     corpus=[])]
     return out
 
 
@@ -223,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     for proposer in variants():
         cells = []
         for requests in data.values():
+            if proposer.corpus is not None:
+                proposer.corpus = []
             t = Tally()
             for req in requests:
                 replay(proposer, req["prompt"], req["output"][: args.output_len], cost, t)

@@ -37,7 +37,7 @@ PLACEHOLDER = -1  # a token the executor's draft model proposes (method "draft")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "off"  # or "ngram", "draft"
-    num_tokens: int = 4  # the most proposed per sequence per step
+    num_tokens: int = 3  # the most proposed per sequence per step (SpeculativeOptions' default)
     ngram_min: int = 2
     ngram_max: int = 8
     disable_batch_size: int = 2  # no proposals while more sequences than this run (SpeculativeOptions')
