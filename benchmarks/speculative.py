@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--requests", type=int, default=6, help="requests per point and concurrency 1 (C x that at C)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--llamacpp-ngram", type=int, default=3, help="llama.cpp's ngram suffix length")
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     parser.add_argument("--log-dir", default="/tmp/pagedserve-bench-speculative")

@@ -37,10 +37,11 @@ PLACEHOLDER = -1  # a token the executor's draft model proposes (method "draft")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "off"  # or "ngram", "draft"
-    num_tokens: int = 4  # the most proposed per sequence per step
-    ngram_min: int = 1
-    ngram_max: int = 4
+    num_tokens: int = 3  # the most proposed per sequence per step (SpeculativeOptions' default)
+    ngram_min: int = 2
+    ngram_max: int = 8
     disable_batch_size: int = 2  # no proposals while more sequences than this run (SpeculativeOptions')
+    ngram_per_match: int = 1  # a match of n tokens proposes at most this x n (0: num_tokens whatever n)
 
     @property
     def enabled(self) -> bool:
@@ -52,8 +53,10 @@ class SpeculativeConfig:
         if self.method == "draft":
             return (f"speculative decoding: draft model (the executor's), up to {self.num_tokens} tokens a step, "
                     f"while at most {self.disable_batch_size} sequences run")
+        scaled = f", at most {self.ngram_per_match} x the matched length" if self.ngram_per_match else ""
         return (f"speculative decoding: {self.method} (suffixes of {self.ngram_max} down to {self.ngram_min} tokens), "
-                f"up to {self.num_tokens} tokens a step, while at most {self.disable_batch_size} sequences run")
+                f"up to {self.num_tokens} tokens a step{scaled}, while at most {self.disable_batch_size} "
+                f"sequences run")
 
 
 class Speculator:
@@ -82,7 +85,7 @@ class Speculator:
             return []
         if c.method == "draft":
             return [PLACEHOLDER] * room
-        return propose_ngram(req.token_ids(0, req.num_tokens), room, c.ngram_min, c.ngram_max)
+        return propose_ngram(req.token_ids(0, req.num_tokens), room, c.ngram_min, c.ngram_max, c.ngram_per_match)
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         self.num_drafts += 1

@@ -36,7 +36,7 @@ def generate(runner: ModelRunner, prompts: list[list[int]], params: SamplingPara
              logprobs: dict | None = None) -> tuple[dict, Scheduler]:
     """Every prompt's output, scheduled and run as the two stages do (sampling state sent once);
     each delta's logprobs go to `logprobs` by request when given."""
-    spec = SpeculativeConfig("ngram", k, 1, 4, disable_batch_size=8) if k else SpeculativeConfig()
+    spec = SpeculativeConfig("ngram", k, 1, 4, disable_batch_size=8, ngram_per_match=0) if k else SpeculativeConfig()
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_model_len=256, vocab_size=runner.vocab_size,
                                       speculative=spec), BlockManager(runner.num_kv_blocks, BLOCK))
     states = SequenceStates()

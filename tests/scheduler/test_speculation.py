@@ -12,12 +12,14 @@ as a draft model does, and the scheduler learns its proposals from the result.
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.host_block_pool import HostBlockPool
 from services.scheduler.ngram_proposer import propose_ngram
+from services.scheduler.options import SpeculativeOptions, speculative_config
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence
 from services.scheduler.speculation import SpeculativeConfig
@@ -131,8 +133,11 @@ def run(sched: Scheduler, max_steps: int = 5000) -> tuple[dict, dict]:
 
 
 def scheduler(num_blocks: int, block_size: int, k: int, mode: str = "recompute", swap_blocks: int = 0,
-              max_num_seqs: int = 8, prefix_caching: bool = True, method: str = "ngram") -> Scheduler:
-    spec = SpeculativeConfig(method, k, 1, 3, disable_batch_size=max_num_seqs) if k else SpeculativeConfig()
+              max_num_seqs: int = 8, prefix_caching: bool = True, method: str = "ngram",
+              per_match: int = 0) -> Scheduler:
+    """per_match 0 (default): every ngram proposal as long as k allows, the longest rollbacks."""
+    spec = (SpeculativeConfig(method, k, 1, 3, disable_batch_size=max_num_seqs, ngram_per_match=per_match) if k
+            else SpeculativeConfig())
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, preemption_mode=mode,
                              speculative=spec)
     return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching), HostBlockPool(swap_blocks))
@@ -146,10 +151,31 @@ def test_ngram_proposals_take_the_latest_match_longest_suffix_first():
     assert propose_ngram([4, 1, 2, 8, 5, 2], 4, 1, 2) == [8, 5, 2]
 
 
-def test_speculation_gives_the_same_tokens_and_accepts_some():
+def test_ngram_proposals_are_at_most_per_match_times_the_matched_length():
+    tokens = [1, 2, 3, 4, 5, 6, 9, 3, 4]  # the suffix 3 4 matched 2 tokens long
+    assert propose_ngram(tokens, 5, 1, 4, per_match=1) == [5, 6]
+    assert propose_ngram(tokens, 5, 1, 4, per_match=2) == [5, 6, 9, 3]
+    assert propose_ngram(tokens, 3, 1, 4, per_match=2) == [5, 6, 9]  # never more than k
+    assert propose_ngram(tokens, 5, 1, 4, per_match=0) == [5, 6, 9, 3, 4]
+    assert propose_ngram([1, 2, 3, 9, 2], 3, 1, 3, per_match=1) == [3]  # a 1-token match: 1 token
+    long_match = [1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4]
+    assert propose_ngram(long_match, 8, 2, 8, per_match=1) == [5, 6, 7, 8]
+    assert propose_ngram(long_match, 8, 2, 3, per_match=1) == [5, 6, 7]  # the match counts up to max_n
+
+
+def test_speculative_config_defaults_scale_ngram_proposals():
+    config = speculative_config(SpeculativeOptions(speculative="ngram"))
+    assert (config.ngram_min, config.ngram_max, config.ngram_per_match) == (2, 8, 1)
+    assert "at most 1 x the matched length" in config.describe()
+    with pytest.raises(ValueError, match="ngram-tokens-per-match"):
+        speculative_config(SpeculativeOptions(speculative="ngram", ngram_tokens_per_match=-1))
+
+
+@pytest.mark.parametrize("per_match", [0, 1])
+def test_speculation_gives_the_same_tokens_and_accepts_some(per_match):
     reqs = [request(f"r{i}", 7 + 5 * i, 30 + 3 * i) for i in range(4)]
     plain, _ = run(scheduler(64, 4, 0))
-    sched = scheduler(64, 4, 4)
+    sched = scheduler(64, 4, 4, per_match=per_match)
     for r in reqs:
         sched.add_request(r)
     spec, _ = run(sched)
