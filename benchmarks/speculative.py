@@ -107,7 +107,7 @@ def server_starts(args) -> dict[str, tuple[str, tuple[str, ...]]]:
     llama = ("--parallel", str(slots), "--split-kv", "--ctx", str(slots * 4096))
     ngram = ("--spec-draft-max", k, "--spec-ngram-size-n", str(args.llamacpp_ngram))
     return {"plain": ("pagedserve", ()),
-            "ngram": ("pagedserve", ("--speculative", "ngram", *spec)),
+            "ngram": ("pagedserve", ("--speculative", "ngram", *spec, *args.ngram_options.split())),
             "draft": ("pagedserve", ("--speculative", "draft", "--draft-model", args.model, *spec)),
             "llamacpp": ("llamacpp", llama),
             "llamacpp-ngram-simple": ("llamacpp", (*llama, "--spec-type", "ngram-simple", *ngram)),
@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=6, help="requests per point and concurrency 1 (C x that at C)")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--llamacpp-ngram", type=int, default=3, help="llama.cpp's ngram suffix length")
+    parser.add_argument("--ngram-options", default="",
+                        help="more flags for pagedserve's ngram server, e.g. '--ngram-min 1 --ngram-max 4'")
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     parser.add_argument("--log-dir", default="/tmp/pagedserve-bench-speculative")
     args = parser.parse_args(argv)
