@@ -28,9 +28,11 @@ constexpr int kTile = 4;
 // fused multiply-adds (as rows x columns x (in + out)) below which a call stays on the calling
 // thread: a fork and join costs microseconds on a quiet host, but up to a scheduler quantum where
 // other processes hold the other core (measured: ~20 ms per call on a 2-core host at load 14,
-// against 4-80 us of arithmetic). 4M keeps every projection of a 64-row SmolLM2 decode step at
-// rank 8 (gate/up: 3.7M, ~80 us) on one thread, and splits prompt chunks.
-constexpr int64_t kParallelWork = 1 << 22;
+// against 4-80 us of arithmetic), as for every other OpenMP op of the step. 512K splits a 64-row
+// SmolLM2 decode step's q/k/v, gate/up and down projections at rank 8 and a 16-row step's q/k/v and
+// gate/up (quiet host, 4 adapters of rank 8 against the base model: C=64 0.80x -> 0.91x of its
+// throughput, C=16 0.84x -> 0.83x, one run each; 4M kept them all on one thread).
+constexpr int64_t kParallelWork = 1 << 19;
 
 template <typename T>
 inline float to_float(T v) {
