@@ -36,10 +36,16 @@ def read(url: str) -> dict[str, float]:
 
 
 def outside_share(before: dict[str, float], after: dict[str, float]) -> float:
-    """Of the decode steps' wall time between the two readings, the share outside the forward pass."""
+    """Of the decode steps' wall time between the two readings, the share outside the forward pass.
+
+    A step's wall time runs from the result before it to its own; with async scheduling the
+    executor starts the next forward as soon as it sent a result, before the scheduler has it,
+    so a step's interval can be a little shorter than its forward. When nothing is left outside
+    the forward passes the two sums then differ by that skew alone, either way: 0 there, not a
+    negative share."""
     wall = after[STEP_SECONDS] - before[STEP_SECONDS]
     forward = after[FORWARD_SECONDS] - before[FORWARD_SECONDS]
-    return (wall - forward) / wall if wall > 0 else float("nan")
+    return max(0.0, (wall - forward) / wall) if wall > 0 else float("nan")
 
 
 def computed_prompt_per_output(before: dict[str, float], after: dict[str, float]) -> float:
