@@ -40,8 +40,7 @@ DENSE_MIN_WORK_TWO_PASS = 49152
 def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int | None = None,
                  ) -> AttentionBackend:
     if dense_min_work is None:
-        two_pass = getattr(ext, "two_pass_attention", lambda: False)()
-        dense_min_work = DENSE_MIN_WORK_TWO_PASS if two_pass else DENSE_MIN_WORK
+        dense_min_work = DENSE_MIN_WORK_TWO_PASS if ext.two_pass_attention() else DENSE_MIN_WORK
     ops = cpu_ops(ext)
     compiling = torch.compiler.is_compiling  # a constant True to dynamo; ~0.1 us eagerly
 

@@ -109,6 +109,20 @@ void store_rows(const WorkItem& w, Scratch& s, T* out, int64_t o_tok_stride, int
   }
 }
 
+// Where an item's rows sit: positions first_pos + tile_start.. (the sequence's new tokens start at
+// first_pos), rows = its tokens x the query heads of its KV head; no row sees a key before
+// lowest_pos (sliding window) or after last_pos.
+struct ItemSpan {
+  int64_t ctx, first_pos, rows, last_pos, lowest_pos;
+
+  ItemSpan(const WorkItem& w, const int64_t* qsl, const int64_t* ctx_lens, int64_t group, int64_t window)
+      : ctx(ctx_lens[w.seq]),
+        first_pos(ctx - (qsl[w.seq + 1] - qsl[w.seq])),
+        rows((w.tile_end - w.tile_start) * group),
+        last_pos(first_pos + w.tile_end - 1),
+        lowest_pos(window > 0 ? std::max<int64_t>(0, first_pos + w.tile_start - window + 1) : 0) {}
+};
+
 template <typename T, typename C>
 void run_item_portable(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_stride, int64_t q_head_stride,
               const C* k_cache, const C* v_cache, T* out, int64_t o_tok_stride, int64_t o_head_stride,
@@ -116,13 +130,8 @@ void run_item_portable(const WorkItem& w, Scratch& s, const T* query, int64_t q_
               int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
               int64_t window) {
   const int64_t D = head_dim, BS = block_size;
-  const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
-  const int64_t ctx = ctx_lens[w.seq];
-  const int64_t first_pos = ctx - q_len;  // position of the sequence's first new token
-  const int64_t rows = (w.tile_end - w.tile_start) * group;
+  const auto [ctx, first_pos, rows, last_pos, lowest_pos] = ItemSpan(w, qsl, ctx_lens, group, window);
   init_rows(w, s, query, q_tok_stride, q_head_stride, qsl, group, D, scale);
-  const int64_t last_pos = first_pos + w.tile_end - 1;  // no key after this is seen
-  const int64_t lowest_pos = window > 0 ? std::max<int64_t>(0, first_pos + w.tile_start - window + 1) : 0;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t* table = tables + w.seq * table_stride;
   float* kt = s.k.data();  // the block's keys transposed, [D][BS]: scores come out BS lanes at a time
@@ -177,6 +186,17 @@ void run_item_portable(const WorkItem& w, Scratch& s, const T* query, int64_t q_
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+// Fetches a block's rows (D elements each, token_stride apart) into the cache: blocks sit anywhere in
+// the pool, so the hardware prefetchers cannot guess the next one.
+template <typename C>
+inline void prefetch_block(const C* cache, int64_t base, int64_t block_size, int64_t token_stride, int64_t D) {
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
+  for (int64_t j = 0; j < block_size; ++j)
+    for (int64_t off = 0; off < row_bytes; off += 64)
+      // asm volatile: GCC 12 dropped _mm_prefetch calls from this loop once inlined
+      asm volatile("prefetcht0 %0" : : "m"(*(reinterpret_cast<const char*>(cache + base + j * token_stride) + off)));
+}
+
 // One online-softmax update of row r (as softmax_update), with the exponentials kWidth lanes at a
 // time: sc[0..block_size) becomes probabilities, 0 outside lo..hi.
 inline void softmax_update_simd(Scratch& s, int64_t r, float* sc, int64_t lo, int64_t hi, int64_t block_size,
@@ -226,13 +246,8 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
   using namespace vec;
   constexpr int kMaxChunks = 16;  // head_dim up to 16 vectors (256 with AVX-512, 128 with AVX2)
   const int64_t D = head_dim, BS = block_size, chunks = D / kWidth;
-  const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
-  const int64_t ctx = ctx_lens[w.seq];
-  const int64_t first_pos = ctx - q_len;
-  const int64_t rows = (w.tile_end - w.tile_start) * group;
+  const auto [ctx, first_pos, rows, last_pos, lowest_pos] = ItemSpan(w, qsl, ctx_lens, group, window);
   init_rows(w, s, query, q_tok_stride, q_head_stride, qsl, group, D, scale);
-  const int64_t last_pos = first_pos + w.tile_end - 1;
-  const int64_t lowest_pos = window > 0 ? std::max<int64_t>(0, first_pos + w.tile_start - window + 1) : 0;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t* table = tables + w.seq * table_stride;
   float* sc = s.scores.data();  // [rows][BS]: scores, then probabilities
@@ -248,15 +263,10 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
       return window > 0 ? std::max<int64_t>(0, q_pos - window + 1 - block_start) : 0;
     };
     auto j_hi = [&](int64_t r) { return std::min(n_tok - 1, first_pos + w.tile_start + r / group - block_start); };
-    if (b < last_pos / BS) {
-      // the next block sits anywhere in the pool: fetch its rows while this one computes
+    if (b < last_pos / BS) {  // the next block's rows, while this one computes
       const int64_t next = table[b + 1] * BS * token_stride + w.kv_head * D;
-      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
-      for (int64_t j = 0; j < BS; ++j)
-        for (int64_t off = 0; off < row_bytes; off += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(k_cache + next + j * token_stride) + off, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(v_cache + next + j * token_stride) + off, _MM_HINT_T0);
-        }
+      prefetch_block(k_cache, next, BS, token_stride, D);
+      prefetch_block(v_cache, next, BS, token_stride, D);
     }
     int64_t j = 0;
     // four keys at a time, each with its own accumulator: four independent FMA chains per row
@@ -402,15 +412,6 @@ inline void add_values_any(int64_t nr, float* acc, int64_t acc_stride, const flo
   }
 }
 
-template <typename C>
-inline void prefetch_block(const C* cache, int64_t base, int64_t block_size, int64_t token_stride, int64_t D) {
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
-  for (int64_t j = 0; j < block_size; ++j)
-    for (int64_t off = 0; off < row_bytes; off += 64)
-      // asm volatile: GCC 12 dropped _mm_prefetch calls from this inlined loop
-      asm volatile("prefetcht0 %0" : : "m"(*(reinterpret_cast<const char*>(cache + base + j * token_stride) + off)));
-}
-
 // One item in three passes over its context, head_dim 16 * CH and blocks a multiple of 16 tokens:
 // every row's scores against every key it may see (16 keys to a vector, one shared reduction),
 // then each row's softmax over its whole context at once (no running maximum, no rescaling),
@@ -428,13 +429,8 @@ void run_item_two_pass(const WorkItem& w, Scratch& s, const T* query, int64_t q_
   // were 1.1x slower, 64 rows x 200 tokens from DRAM)
   constexpr int64_t kAhead = 2;
   const int64_t BS = block_size;
-  const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
-  const int64_t ctx = ctx_lens[w.seq];
-  const int64_t first_pos = ctx - q_len;
-  const int64_t rows = (w.tile_end - w.tile_start) * group;
+  const auto [ctx, first_pos, rows, last_pos, lowest_pos] = ItemSpan(w, qsl, ctx_lens, group, window);
   init_rows(w, s, query, q_tok_stride, q_head_stride, qsl, group, D, scale);
-  const int64_t last_pos = first_pos + w.tile_end - 1;
-  const int64_t lowest_pos = window > 0 ? std::max<int64_t>(0, first_pos + w.tile_start - window + 1) : 0;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t* table = tables + w.seq * table_stride;
   const int64_t b0 = lowest_pos / BS, b1 = last_pos / BS;
