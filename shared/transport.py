@@ -24,6 +24,7 @@ import asyncio
 import logging
 import os
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -52,15 +53,32 @@ class SocketSettings:
     max_message_bytes: int = MAX_MESSAGE_BYTES
 
 
-_settings: dict[int, SocketSettings] = {}  # by the context's underlying pointer
-_zap: dict[int, _ZapHandler] = {}
+# by the context's underlying pointer, each with the context it was made for (see _current)
+_settings: dict[int, tuple[weakref.ref, SocketSettings]] = {}
+_zap: dict[int, tuple[weakref.ref, _ZapHandler]] = {}
 _zap_lock = threading.Lock()
 
 
 def configure(ctx: zmq.Context, curve: CurveKeys | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES):
     """Every socket later opened on ctx gets these settings; returns ctx."""
-    _settings[ctx.underlying] = SocketSettings(curve, max_message_bytes)
+    _settings[ctx.underlying] = (weakref.ref(ctx), SocketSettings(curve, max_message_bytes))
     return ctx
+
+
+def _current(table: dict, ctx: zmq.Context):
+    """table's entry for ctx, or None. libzmq gives the next context it makes the address of the
+    last one destroyed, so an entry made for a context since closed is dropped here: a plain
+    context must not inherit a destroyed one's CURVE settings (its ROUTER would then wait for a
+    handshake its plain peers never make: a test run saw a stand-in tokenizer never connect)."""
+    entry = table.get(ctx.underlying)
+    if entry is None:
+        return None
+    owner, value = entry
+    configured = owner()
+    if configured is None or configured.closed:
+        del table[ctx.underlying]
+        return None
+    return value
 
 
 class _ZapHandler(threading.Thread):
@@ -95,9 +113,10 @@ class _ZapHandler(threading.Thread):
 
 def _zap_handler(ctx: zmq.Context, keys: CurveKeys) -> _ZapHandler:
     with _zap_lock:
-        handler = _zap.get(ctx.underlying)
+        handler = _current(_zap, ctx)
         if handler is None or not handler.is_alive():
-            handler = _zap[ctx.underlying] = _ZapHandler(ctx, keys.public)
+            handler = _ZapHandler(ctx, keys.public)
+            _zap[ctx.underlying] = (weakref.ref(ctx), handler)
             handler.start()
         return handler
 
@@ -124,7 +143,7 @@ class FrameDecoder(Generic[T]):
 
 
 def _open(ctx: zmq.Context, kind: int, address: str, bind: bool, opts: dict | None = None) -> zmq.Socket:
-    settings = _settings.get(ctx.underlying) or SocketSettings()
+    settings = _current(_settings, ctx) or SocketSettings()
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)

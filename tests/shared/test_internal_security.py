@@ -96,6 +96,33 @@ def test_a_peer_without_the_key_can_neither_inject_nor_connect(keys, contexts):
     assert received(server, 1.5) == ["honest"]
 
 
+def test_a_destroyed_contexts_keys_do_not_pass_to_the_next_context(keys, tmp_path):
+    """libzmq often gives a new context the address of the one last destroyed: the settings
+    configured for a destroyed CURVE context must not reach a plain context made after it (its
+    sockets would be CURVE servers no plain peer connects to: a stand-in tokenizer in the gateway
+    tests never became reachable after this file's contexts on the same worker)."""
+    ours, _ = keys
+    curved = configure(zmq.Context(), ours)
+    stale = curved.underlying
+    curved.destroy(linger=0)
+    del curved  # as a test's context fixture lets go of it
+    made = []
+    try:
+        for _ in range(50):  # the next contexts, until one lands where the CURVE one was
+            made.append(zmq.Context())
+            if made[-1].underlying == stale:
+                break
+        for i, plain in enumerate(made[-3:]):
+            server = PullSocket(plain, f"ipc://{tmp_path}/plain{i}.ipc", StatusToGateway, bind=True)
+            assert server.sock.getsockopt(zmq.MECHANISM) == zmq.NULL
+            client = PushSocket(plain, f"ipc://{tmp_path}/plain{i}.ipc", StatusToGateway)
+            client.send(beat("plain"))
+            assert received(server, 2.0) == ["plain"]
+    finally:
+        for ctx in made:
+            ctx.destroy(linger=0)
+
+
 def test_a_peer_without_the_key_cannot_take_messages(keys, contexts):
     ours, theirs = keys
     address = f"tcp://127.0.0.1:{free_port()}"
