@@ -3,16 +3,18 @@
 `--attention` (the default part): one layer's attention of SmolLM2's shape (9 query heads,
 3 KV heads, head_dim 64, block size 16, scattered blocks) for one chunk of q_len tokens,
 starting at position 0 or after `--context` tokens of earlier context, through the C++
-kernel alone and through the backend with the SDPA path forced, alternated call by call
-so that load from other processes slows both alike. Prints the median of each and their
-ratio: where the ratio crosses 1 gives `kernels.cpu.backend.DENSE_MIN_ROWS` and `DENSE_MIN_WORK`.
+kernel alone, the backend with the SDPA path forced, and (with AMX tiles, bfloat16) the
+backend with the AMX kernel forced, alternated call by call so that load from other
+processes slows all alike. Prints the median of each and their ratios to SDPA: where the
+C++ kernel's crosses the chunk kernel's gives `kernels.cpu.backend.DENSE_MIN_ROWS` and
+`DENSE_MIN_WORK`.
 
 `--prefill N [--chunk C]`: one N-token prompt through `ModelRunner.execute` in chunks of C
 (the scheduler's --max-num-batched-tokens), median of `--repeats` prompts, with tok/s and
 the GFLOPS that implies, attention counted (causal: each query row against the keys up
 to its own), against the rate of a [2048, 576] x [576, 1536] bfloat16 matmul (best of 20) timed here;
-the backend as it is ("sdpa") and with its C++ kernel for every chunk ("c++", the path
-before the SDPA one, and `--deterministic`'s), prompts alternating between the two.
+the backend with long chunks through the AMX kernel ("amx"), through SDPA ("sdpa"), and with
+its C++ kernel for every chunk ("c++", `--deterministic`'s), prompts alternating between them.
 
     python -m benchmarks.dense_prefill [--dtype bfloat16] [--lens 16 32 64 128 512 2048]
     python -m benchmarks.dense_prefill --prefill 2048 8192 --chunk 2048 [--paths sdpa c++] [--threads 1]
@@ -55,21 +57,24 @@ def one_chunk(ctx: int, q_len: int, dtype: torch.dtype) -> dict:
 
 def attention(dtype: torch.dtype, lens: list[int], context: int, repeats: int) -> None:
     ext = load()
-    dense = make_backend(ext, dense_min_rows=1, dense_min_work=0)
-    print(f"one layer's attention, {dtype}, {torch.get_num_threads()} threads; ms, median and min of {repeats}")
-    print(f"{'q_len':>6} {'start':>6} {'C++':>9} {'SDPA':>9} {'C++/SDPA':>9} {'C++ min':>9} {'SDPA min':>9} "
-          f"{'ratio':>9}")
+    paths = {"C++": make_backend(ext).row_invariant_paged_attention,
+             "SDPA": make_backend(ext, dense_min_rows=1, dense_min_work=0, amx=False).paged_attention}
+    if ext.amx_attention() and dtype == torch.bfloat16:
+        paths["AMX"] = make_backend(ext, dense_min_rows=1, dense_min_work=0, amx=True).paged_attention
+    print(f"one layer's attention, {dtype}, {torch.get_num_threads()} threads; ms, median of {repeats}, "
+          f"and each path's time / SDPA's")
+    print(f"{'q_len':>6} {'start':>6} " + " ".join(f"{name:>9}" for name in paths)
+          + " " + " ".join(f"{name + '/SDPA':>10}" for name in paths if name != "SDPA"))
     for q_len in lens:
         for start in (0, context):
             inputs = one_chunk(start + q_len, q_len, dtype)
-            cpp, sdpa = [], []
+            times = {name: [] for name in paths}
             for _ in range(repeats):  # alternated
-                cpp.append(_median(lambda inputs=inputs: dense.row_invariant_paged_attention(**inputs), 1))
-                sdpa.append(_median(lambda inputs=inputs: dense.paged_attention(**inputs), 1))
-            a, b = statistics.median(cpp) * 1e3, statistics.median(sdpa) * 1e3
-            c, d = min(cpp) * 1e3, min(sdpa) * 1e3
-            print(f"{q_len:>6} {start:>6} {a:>9.3f} {b:>9.3f} {a / b:>9.2f} {c:>9.3f} {d:>9.3f} {c / d:>9.2f}",
-                  flush=True)
+                for name, fn in paths.items():
+                    times[name].append(_median(lambda fn=fn, inputs=inputs: fn(**inputs), 1))
+            med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+            print(f"{q_len:>6} {start:>6} " + " ".join(f"{med[name]:>9.3f}" for name in paths) + " "
+                  + " ".join(f"{med[name] / med['SDPA']:>10.2f}" for name in paths if name != "SDPA"), flush=True)
 
 
 def model_flops(n: int, start: int, layers: int, hidden: int, inter: int) -> float:
@@ -96,7 +101,9 @@ def prefill(lengths: list[int], chunk: int, repeats: int, names: list[str]) -> N
     r = ModelRunner(resolve_model("smollm2"), num_kv_blocks=(repeats + 2) * (longest // BS + 2))
     cfg = r.model.config
     print(f"dtype {r.dtype}, backend {r.backend.name}, {torch.get_num_threads()} threads, chunk {chunk}")
-    both = {"sdpa": r.model.backend,
+    ext = load()
+    both = {"amx": dataclasses.replace(r.model.backend, paged_attention=make_backend(ext, amx=True).paged_attention),
+            "sdpa": dataclasses.replace(r.model.backend, paged_attention=make_backend(ext, amx=False).paged_attention),
             "c++": dataclasses.replace(r.model.backend, paged_attention=r.model.backend.row_invariant_paged_attention)}
     paths = {name: both[name] for name in names}
     prompt = 0
@@ -126,9 +133,11 @@ def prefill(lengths: list[int], chunk: int, repeats: int, names: list[str]) -> N
             rate = flops / t / 1e9
             print(f"prefill {n} tokens, {path:>4}: {t:.3f} s = {n / t:.0f} tok/s, {rate:.0f} GFLOPS "
                   f"({100 * rate / peak:.0f}% of the matmul's) {[round(x, 3) for x in ts]}", flush=True)
-        if len(paths) == 2:
-            ratio = statistics.median(times["c++"]) / statistics.median(times["sdpa"])
-            print(f"prefill {n} tokens: c++/sdpa time ratio {ratio:.2f}")
+        if "sdpa" in paths:
+            for path in paths:
+                if path != "sdpa":
+                    ratio = statistics.median(times[path]) / statistics.median(times["sdpa"])
+                    print(f"prefill {n} tokens: {path}/sdpa time ratio {ratio:.2f}")
 
 
 def main() -> None:
@@ -140,7 +149,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch's threads (default: torch's own choice)")
     p.add_argument("--prefill", type=int, nargs="*", help="prompt lengths to prefill through the model instead")
     p.add_argument("--chunk", type=int, default=2048)
-    p.add_argument("--paths", nargs="+", default=["sdpa", "c++"], choices=["sdpa", "c++"])
+    p.add_argument("--paths", nargs="+", default=["amx", "sdpa", "c++"], choices=["amx", "sdpa", "c++"],
+                   help="amx: the AMX kernel for long chunks (needs AMX tiles)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,4 +1,8 @@
-"""Long query chunks through torch's fused SDPA instead of the C++ paged kernel.
+"""Long query chunks through the AMX kernel or torch's fused SDPA instead of the C++ paged kernel.
+
+Where the CPU has AMX tiles (and the chunk is bfloat16 with head_dim 64) the long chunks go to
+`amx_chunk_attention` in csrc/amx_attention.cpp (`kernels.cpu.amx_attention` holds its
+reference), which reads the paged context in place; elsewhere they take SDPA as below.
 
 The C++ kernel (csrc/paged_attention.cpp) computes attention with float32 FMAs, ~70
 GFLOPS on two AMX cores; torch's flash SDPA in bfloat16 runs its two matmuls on AMX
@@ -36,10 +40,11 @@ from torch import Tensor
 
 def attend(kernel: Callable, out: Tensor, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
            query_start_loc: Tensor, context_lens: Tensor, scale: float, sliding_window: int, min_rows: int,
-           min_work: int) -> None:
+           min_work: int, chunk_kernel: Callable | None = None) -> None:
     """Fills out [tokens, heads, head_dim]: chunks of >= min_rows tokens and >= min_work
-    q_len x context by SDPA, the rest by `kernel` (the C++ paged attention's signature: out
-    first, sliding_window 0 for none)."""
+    q_len x context by `chunk_kernel` (the AMX kernel's signature: out, query, caches, the
+    sequence's block table, its context length, scale, window) or, without one, SDPA; the rest
+    by `kernel` (the C++ paged attention's signature: out first, sliding_window 0 for none)."""
     starts = query_start_loc.tolist()
     ctx_lens = context_lens.tolist()
     lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
@@ -67,6 +72,10 @@ def attend(kernel: Callable, out: Tensor, query: Tensor, k_cache: Tensor, v_cach
         i = j
     for i in long:
         s, n = starts[i], lens[i]
+        if chunk_kernel is not None:
+            chunk_kernel(out[s : s + n], query[s : s + n], k_cache, v_cache, block_tables[i], ctx_lens[i], scale,
+                         sliding_window)
+            continue
         o = chunk_attention(query[s : s + n], k_cache, v_cache, block_tables[i], ctx_lens[i], scale, sliding_window)
         out[s : s + n] = o
 
