@@ -39,6 +39,7 @@ namespace {
 constexpr int64_t D = 64;         // head_dim this kernel takes
 constexpr int64_t kRows = 16;     // query positions per item (a tile's rows)
 constexpr int64_t kKeyBlock = 64;  // keys per step of either pass
+constexpr int64_t kChunk = 256;    // keys whose scores are held at once (16 KB: L1)
 
 // Linux hands out the tile registers' state only to a process that asks (once).
 bool request_tile_permission() {
@@ -116,11 +117,10 @@ void pack_head(PackedKV& p, const uint16_t* kc, const uint16_t* vc, const int64_
 }
 
 struct Scratch {
-  std::vector<float> scores;  // [16][ld] float32
+  alignas(64) float scores[kRows * kChunk];                // one chunk's scores, block by block [16 rows][64 keys]
   alignas(64) uint16_t q[kRows * D];
   alignas(64) uint16_t p[2][kRows * kKeyBlock];  // two blocks' probabilities: one in the tiles' reads, one being written
-  alignas(64) float o[kRows * D];
-  alignas(64) float row_max[kRows];
+  alignas(64) float o[kRows * D];                          // the accumulators between chunks
 };
 
 // One item: 16 positions of query head `head` (rows past the chunk's end are zero and dropped).
@@ -132,10 +132,6 @@ void run_item(Scratch& s, const PackedKV& kv, const uint16_t* query, int64_t q_s
   const int64_t k_hi = std::min(ctx_len, last_pos + 1);
   const int64_t k_begin = k_lo / kKeyBlock * kKeyBlock;
   const int64_t k_end = (k_hi + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-  // scores block by block, each [16 rows][64 keys]: rows a whole context apart would share L1 sets
-  const int64_t ld = kKeyBlock;
-  if (static_cast<int64_t>(s.scores.size()) < kRows * (k_end - k_begin)) s.scores.resize(kRows * (k_end - k_begin));
-  float* sc = s.scores.data();
 
   for (int64_t r = 0; r < kRows; ++r) {
     if (r < rows)
@@ -143,85 +139,48 @@ void run_item(Scratch& s, const PackedKV& kv, const uint16_t* query, int64_t q_s
     else
       std::memset(s.q + r * D, 0, D * sizeof(uint16_t));
   }
-  _tile_loadd(0, s.q, D * 2);
-  _tile_loadd(1, s.q + 32, D * 2);
-
-  __m512 mx[kRows];
-  for (int64_t r = 0; r < kRows; ++r) mx[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const float ninf_f = -std::numeric_limits<float>::infinity();
+  const __m512 ninf = _mm512_set1_ps(ninf_f);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const float c = scale * 1.44269504088896341f;
+  const __m512 cv = _mm512_set1_ps(c);
+  __m512 mx[kRows], neg_max[kRows], sum[kRows];
+  float row_max[kRows];
+  for (int64_t r = 0; r < kRows; ++r) {
+    row_max[r] = ninf_f;
+    sum[r] = _mm512_setzero_ps();
+  }
 
   // each row's max over a block of stored scores, masking first where some row sees only part of it
-  auto block_max = [&](int64_t kb) {
-    float* dst = sc + (kb - k_begin) * kRows;
+  auto block_max = [&](int64_t kb, float* blk) {
     const bool masked = kb + kKeyBlock - 1 > first_pos || kb + kKeyBlock > ctx_len ||
                         (window && kb <= first_pos + kRows - 1 - window);
     for (int64_t r = 0; r < kRows; ++r) {
-      float* row = dst + r * ld;
+      float* row = blk + r * kKeyBlock;
       __m512 m = mx[r];
-      for (int64_t c = 0; c < kKeyBlock; c += 16) {
-        __m512 v = _mm512_loadu_ps(row + c);
+      for (int64_t q = 0; q < kKeyBlock; q += 16) {
+        __m512 v = _mm512_load_ps(row + q);
         if (masked) {
           const int64_t pos = first_pos + r;
-          const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(kb + c)), lane);
+          const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(kb + q)), lane);
           __mmask16 hide = _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(pos)));
           hide |= _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(ctx_len)));
           if (window)
             hide |= _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(pos - window)));
           v = _mm512_mask_mov_ps(v, hide, ninf);
-          _mm512_storeu_ps(row + c, v);
+          _mm512_store_ps(row + q, v);
         }
         m = _mm512_max_ps(m, v);
       }
       mx[r] = m;
     }
   };
-
-  // pass 1: scores; a block's max runs while the tile unit computes the next block
-  for (int64_t kb = k_begin; kb < k_end; kb += kKeyBlock) {
-    const uint32_t* kp = kv.keys.data() + (kb / 16) * 512;
-    float* dst = sc + (kb - k_begin) * kRows;
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_loadd(6, kp, 64);
-    _tile_dpbf16ps(2, 0, 6);
-    _tile_loadd(7, kp + 256, 64);
-    _tile_dpbf16ps(2, 1, 7);
-    _tile_loadd(6, kp + 512, 64);
-    _tile_dpbf16ps(3, 0, 6);
-    _tile_loadd(7, kp + 768, 64);
-    _tile_dpbf16ps(3, 1, 7);
-    _tile_loadd(6, kp + 1024, 64);
-    _tile_dpbf16ps(4, 0, 6);
-    _tile_loadd(7, kp + 1280, 64);
-    _tile_dpbf16ps(4, 1, 7);
-    _tile_loadd(6, kp + 1536, 64);
-    _tile_dpbf16ps(5, 0, 6);
-    _tile_loadd(7, kp + 1792, 64);
-    _tile_dpbf16ps(5, 1, 7);
-    if (kb > k_begin) block_max(kb - kKeyBlock);
-    _tile_stored(2, dst, ld * 4);
-    _tile_stored(3, dst + 16, ld * 4);
-    _tile_stored(4, dst + 32, ld * 4);
-    _tile_stored(5, dst + 48, ld * 4);
-  }
-  block_max(k_end - kKeyBlock);
-  const float c = scale * 1.44269504088896341f;
-  __m512 neg_max[kRows], sum[kRows];
-  for (int64_t r = 0; r < kRows; ++r) {
-    neg_max[r] = _mm512_set1_ps(-_mm512_reduce_max_ps(mx[r]) * c);
-    sum[r] = _mm512_setzero_ps();
-  }
-  const __m512 cv = _mm512_set1_ps(c);
-  auto probabilities = [&](int64_t kb, uint16_t* p_out) {
-    const float* src = sc + (kb - k_begin) * kRows;
+  auto probabilities = [&](const float* blk, uint16_t* p_out) {
     for (int64_t r = 0; r < kRows; ++r) {
-      const float* row = src + r * ld;
+      const float* row = blk + r * kKeyBlock;
       __m512 p[4];
       for (int64_t q = 0; q < 4; ++q) {
-        p[q] = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(row + 16 * q), cv, neg_max[r]));
+        p[q] = exp2_ps(_mm512_fmadd_ps(_mm512_load_ps(row + 16 * q), cv, neg_max[r]));
         sum[r] = _mm512_add_ps(sum[r], p[q]);
       }
       _mm512_store_si512(p_out + r * kKeyBlock, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
@@ -229,40 +188,97 @@ void run_item(Scratch& s, const PackedKV& kv, const uint16_t* query, int64_t q_s
     }
   };
 
-  // pass 2: probabilities in bfloat16 times the values, accumulated in tiles 2..5; the next
-  // block's probabilities are computed while the tile unit multiplies this one's
-  _tile_zero(2);
-  _tile_zero(3);
-  _tile_zero(4);
-  _tile_zero(5);
-  probabilities(k_begin, s.p[0]);
-  for (int64_t kb = k_begin, j = 0; kb < k_end; kb += kKeyBlock, ++j) {
-    const uint16_t* pb = s.p[j & 1];
-    const uint32_t* vp = kv.values.data() + (kb / 32) * 1024;
-    _tile_loadd(0, pb, kKeyBlock * 2);
-    _tile_loadd(1, pb + 32, kKeyBlock * 2);
-    _tile_loadd(6, vp, 64);
-    _tile_dpbf16ps(2, 0, 6);
-    _tile_loadd(7, vp + 256, 64);
-    _tile_dpbf16ps(3, 0, 7);
-    _tile_loadd(6, vp + 512, 64);
-    _tile_dpbf16ps(4, 0, 6);
-    _tile_loadd(7, vp + 768, 64);
-    _tile_dpbf16ps(5, 0, 7);
-    _tile_loadd(6, vp + 1024, 64);
-    _tile_dpbf16ps(2, 1, 6);
-    _tile_loadd(7, vp + 1280, 64);
-    _tile_dpbf16ps(3, 1, 7);
-    _tile_loadd(6, vp + 1536, 64);
-    _tile_dpbf16ps(4, 1, 6);
-    _tile_loadd(7, vp + 1792, 64);
-    _tile_dpbf16ps(5, 1, 7);
-    if (kb + kKeyBlock < k_end) probabilities(kb + kKeyBlock, s.p[(j + 1) & 1]);
+  // The keys in chunks whose scores stay in L1 (through L2 they cost 4x the stores): per chunk,
+  // pass 1 (scores and each row's max; a block's max runs while the tile unit computes the next),
+  // the accumulators rescaled where a row's max grew, then pass 2 (probabilities in bfloat16 times
+  // the values, accumulated in tiles 2..5; the next block's probabilities are computed while the
+  // tile unit multiplies this one's).
+  for (int64_t cs = k_begin; cs < k_end; cs += kChunk) {
+    const int64_t ce = std::min(k_end, cs + kChunk);
+    _tile_loadd(0, s.q, D * 2);
+    _tile_loadd(1, s.q + 32, D * 2);
+    for (int64_t r = 0; r < kRows; ++r) mx[r] = ninf;
+    for (int64_t kb = cs; kb < ce; kb += kKeyBlock) {
+      const uint32_t* kp = kv.keys.data() + (kb / 16) * 512;
+      float* dst = s.scores + (kb - cs) * kRows;
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_loadd(6, kp, 64);
+      _tile_dpbf16ps(2, 0, 6);
+      _tile_loadd(7, kp + 256, 64);
+      _tile_dpbf16ps(2, 1, 7);
+      _tile_loadd(6, kp + 512, 64);
+      _tile_dpbf16ps(3, 0, 6);
+      _tile_loadd(7, kp + 768, 64);
+      _tile_dpbf16ps(3, 1, 7);
+      _tile_loadd(6, kp + 1024, 64);
+      _tile_dpbf16ps(4, 0, 6);
+      _tile_loadd(7, kp + 1280, 64);
+      _tile_dpbf16ps(4, 1, 7);
+      _tile_loadd(6, kp + 1536, 64);
+      _tile_dpbf16ps(5, 0, 6);
+      _tile_loadd(7, kp + 1792, 64);
+      _tile_dpbf16ps(5, 1, 7);
+      if (kb > cs) block_max(kb - kKeyBlock, dst - kRows * kKeyBlock);
+      _tile_stored(2, dst, kKeyBlock * 4);
+      _tile_stored(3, dst + 16, kKeyBlock * 4);
+      _tile_stored(4, dst + 32, kKeyBlock * 4);
+      _tile_stored(5, dst + 48, kKeyBlock * 4);
+    }
+    block_max(ce - kKeyBlock, s.scores + (ce - kKeyBlock - cs) * kRows);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const float m = std::max(row_max[r], _mm512_reduce_max_ps(mx[r]));
+      if (cs > k_begin && m > row_max[r]) {  // earlier chunks' sums and values were scaled for a smaller max
+        const __m512 alpha = exp2_ps(_mm512_set1_ps((row_max[r] - m) * c));
+        sum[r] = _mm512_mul_ps(sum[r], alpha);
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_store_ps(s.o + r * D + d, _mm512_mul_ps(_mm512_load_ps(s.o + r * D + d), alpha));
+      }
+      row_max[r] = m;
+      neg_max[r] = _mm512_set1_ps(-m * c);
+    }
+    if (cs == k_begin) {
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_zero(4);
+      _tile_zero(5);
+    } else {
+      _tile_loadd(2, s.o, D * 4);
+      _tile_loadd(3, s.o + 16, D * 4);
+      _tile_loadd(4, s.o + 32, D * 4);
+      _tile_loadd(5, s.o + 48, D * 4);
+    }
+    probabilities(s.scores, s.p[0]);
+    for (int64_t kb = cs, j = 0; kb < ce; kb += kKeyBlock, ++j) {
+      const uint16_t* pb = s.p[j & 1];
+      const uint32_t* vp = kv.values.data() + (kb / 32) * 1024;
+      _tile_loadd(0, pb, kKeyBlock * 2);
+      _tile_loadd(1, pb + 32, kKeyBlock * 2);
+      _tile_loadd(6, vp, 64);
+      _tile_dpbf16ps(2, 0, 6);
+      _tile_loadd(7, vp + 256, 64);
+      _tile_dpbf16ps(3, 0, 7);
+      _tile_loadd(6, vp + 512, 64);
+      _tile_dpbf16ps(4, 0, 6);
+      _tile_loadd(7, vp + 768, 64);
+      _tile_dpbf16ps(5, 0, 7);
+      _tile_loadd(6, vp + 1024, 64);
+      _tile_dpbf16ps(2, 1, 6);
+      _tile_loadd(7, vp + 1280, 64);
+      _tile_dpbf16ps(3, 1, 7);
+      _tile_loadd(6, vp + 1536, 64);
+      _tile_dpbf16ps(4, 1, 6);
+      _tile_loadd(7, vp + 1792, 64);
+      _tile_dpbf16ps(5, 1, 7);
+      if (kb + kKeyBlock < ce) probabilities(s.scores + (kb + kKeyBlock - cs) * kRows, s.p[(j + 1) & 1]);
+    }
+    _tile_stored(2, s.o, D * 4);
+    _tile_stored(3, s.o + 16, D * 4);
+    _tile_stored(4, s.o + 32, D * 4);
+    _tile_stored(5, s.o + 48, D * 4);
   }
-  _tile_stored(2, s.o, D * 4);
-  _tile_stored(3, s.o + 16, D * 4);
-  _tile_stored(4, s.o + 32, D * 4);
-  _tile_stored(5, s.o + 48, D * 4);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum[r]));
     for (int64_t d = 0; d < D; d += 32) {
