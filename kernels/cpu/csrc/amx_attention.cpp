@@ -64,11 +64,11 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// 2^x for x <= 0 (x clamped at -126: a masked score's -inf gives ~1e-38, never NaN): the
-// fraction x - floor(x) in one vreduceps, 2^fraction by a degree-4 polynomial (relative error
-// 3e-6, far below the bfloat16 the probabilities are rounded to), times 2^floor(x) by vscalefps.
+// 2^x for x <= 0: the fraction x - floor(x) in one vreduceps, 2^fraction by a degree-4
+// polynomial (relative error 3e-6, far below the bfloat16 the probabilities are rounded to),
+// times 2^floor(x) by vscalefps. A masked score's -inf gives exactly 0 (vreduceps(-inf) = 0,
+// vscalefps(p, -inf) = 0); the call runs with denormals flushed, so x < -126 gives 0 as well.
 inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
   const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 p = _mm512_set1_ps(0.013520603197212518f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05203742877442222f));
@@ -237,7 +237,7 @@ void run_item(Scratch& s, const PackedKV& kv, const uint16_t* query, int64_t q_s
           _mm512_store_ps(s.o + r * D + d, _mm512_mul_ps(_mm512_load_ps(s.o + r * D + d), alpha));
       }
       row_max[r] = m;
-      neg_max[r] = _mm512_set1_ps(-m * c);
+      neg_max[r] = _mm512_set1_ps(m == ninf_f ? 0.0f : -m * c);  // a row that sees none of these keys: all 0
     }
     if (cs == k_begin) {
       _tile_zero(2);
@@ -344,6 +344,8 @@ void amx_chunk_attention(at::Tensor& out, const at::Tensor& query, const at::Ten
   const float fscale = static_cast<float>(scale);
 #pragma omp parallel num_threads(threads)
   {
+    const unsigned int mxcsr = _mm_getcsr();
+    _mm_setcsr(mxcsr | 0x8040);  // flush-to-zero and denormals-are-zero while this call's threads run it
     configure_tiles();
     Scratch s;
 #pragma omp for schedule(dynamic, 1)
@@ -356,6 +358,7 @@ void amx_chunk_attention(at::Tensor& out, const at::Tensor& query, const at::Ten
                o + r0 * out.stride(0) + head * D, out.stride(0), first + r0, rows, ctx_len, fscale, sliding_window);
     }
     _tile_release();
+    _mm_setcsr(mxcsr);
   }
 #endif
 }
