@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -39,7 +40,7 @@ namespace {
 constexpr int64_t D = 64;         // head_dim this kernel takes
 constexpr int64_t kRows = 16;     // query positions per item (a tile's rows)
 constexpr int64_t kKeyBlock = 64;  // keys per step of either pass
-constexpr int64_t kChunk = 256;    // keys whose scores are held at once (16 KB: L1)
+constexpr int64_t kChunk = 512;    // keys whose scores are held at once (32 KB: L1)
 
 // Linux hands out the tile registers' state only to a process that asks (once).
 bool request_tile_permission() {
@@ -82,20 +83,19 @@ inline __m512 exp2_ps(__m512 x) {
 //   keys:   [key groups of 16][2 halves of 16 dimension pairs][16 pair rows][16 keys] dwords
 //   values: [key-pair groups of 32 keys][4 chunks of 16 dims][16 key-pair rows][16 dims] dwords
 struct PackedKV {
-  std::vector<uint32_t> keys, values;
+  std::unique_ptr<uint32_t[]> keys, values;  // uninitialised but for the last 64-key block (zeros past the context)
 };
 
-void pack_head(PackedKV& p, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t ctx_pad,
-               int64_t ctx_len, int64_t block_size, int64_t kv_heads, int64_t h) {
-  p.keys.assign(ctx_pad * D / 2, 0);
-  p.values.assign(ctx_pad * D / 2, 0);
+// Keys [begin, end) of KV head h (begin even; `p` sized and zeroed for the whole padded context).
+void pack_slab(PackedKV& p, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t begin,
+               int64_t end, int64_t ctx_len, int64_t block_size, int64_t kv_heads, int64_t h) {
   const int64_t row_stride = kv_heads * D;
   auto key_row = [&](const uint16_t* cache, int64_t pos) {
     return cache + ((table[pos / block_size] * block_size + pos % block_size) * row_stride + h * D);
   };
-  for (int64_t pos = 0; pos < ctx_len; ++pos) {
+  for (int64_t pos = begin; pos < end; ++pos) {
     const uint32_t* k = reinterpret_cast<const uint32_t*>(key_row(kc, pos));
-    uint32_t* dst = p.keys.data() + (pos / 16) * (D / 2) * 16 + pos % 16;
+    uint32_t* dst = p.keys.get() + (pos / 16) * (D / 2) * 16 + pos % 16;
     for (int64_t pair = 0; pair < D / 2; ++pair) dst[pair * 16] = k[pair];
   }
   // value pairs: (key 2r, key 2r+1) of each dimension, interleaved as the B operand wants
@@ -103,10 +103,10 @@ void pack_head(PackedKV& p, const uint16_t* kc, const uint16_t* vc, const int64_
                                       5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   const __m512i zero = _mm512_setzero_si512();
-  for (int64_t pos = 0; pos < ctx_len; pos += 2) {
+  for (int64_t pos = begin; pos < end; pos += 2) {
     const uint16_t* a = key_row(vc, pos);
     const uint16_t* b = pos + 1 < ctx_len ? key_row(vc, pos + 1) : nullptr;
-    uint32_t* dst = p.values.data() + (pos / 32) * (D / 16) * 256 + ((pos % 32) / 2) * 16;
+    uint32_t* dst = p.values.get() + (pos / 32) * (D / 16) * 256 + ((pos % 32) / 2) * 16;
     for (int64_t half = 0; half < 2; ++half) {
       const __m512i va = _mm512_loadu_si512(a + half * 32);
       const __m512i vb = b ? _mm512_loadu_si512(b + half * 32) : zero;
@@ -199,7 +199,7 @@ void run_item(Scratch& s, const PackedKV& kv, const uint16_t* query, int64_t q_s
     _tile_loadd(1, s.q + 32, D * 2);
     for (int64_t r = 0; r < kRows; ++r) mx[r] = ninf;
     for (int64_t kb = cs; kb < ce; kb += kKeyBlock) {
-      const uint32_t* kp = kv.keys.data() + (kb / 16) * 512;
+      const uint32_t* kp = kv.keys.get() + (kb / 16) * 512;
       float* dst = s.scores + (kb - cs) * kRows;
       _tile_zero(2);
       _tile_zero(3);
@@ -253,7 +253,7 @@ void run_item(Scratch& s, const PackedKV& kv, const uint16_t* query, int64_t q_s
     probabilities(s.scores, s.p[0]);
     for (int64_t kb = cs, j = 0; kb < ce; kb += kKeyBlock, ++j) {
       const uint16_t* pb = s.p[j & 1];
-      const uint32_t* vp = kv.values.data() + (kb / 32) * 1024;
+      const uint32_t* vp = kv.values.get() + (kb / 32) * 1024;
       _tile_loadd(0, pb, kKeyBlock * 2);
       _tile_loadd(1, pb + 32, kKeyBlock * 2);
       _tile_loadd(6, vp, 64);
@@ -333,10 +333,20 @@ void amx_chunk_attention(at::Tensor& out, const at::Tensor& query, const at::Ten
   const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   std::vector<PackedKV> packed(kv_heads);
+  for (auto& p : packed) {
+    p.keys.reset(new uint32_t[ctx_pad * D / 2]);
+    p.values.reset(new uint32_t[ctx_pad * D / 2]);
+    std::memset(p.keys.get() + (ctx_pad - kKeyBlock) * D / 2, 0, kKeyBlock * D * 2);
+    std::memset(p.values.get() + (ctx_pad - kKeyBlock) * D / 2, 0, kKeyBlock * D * 2);
+  }
   const int threads = std::max(1, at::get_num_threads());
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-  for (int64_t h = 0; h < kv_heads; ++h)
-    pack_head(packed[h], kc, vc, tab, ctx_pad, ctx_len, block_size, kv_heads, h);
+  constexpr int64_t kSlab = 512;
+  const int64_t slabs = (ctx_len + kSlab - 1) / kSlab;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t i = 0; i < kv_heads * slabs; ++i) {
+    const int64_t h = i / slabs, begin = (i % slabs) * kSlab;
+    pack_slab(packed[h], kc, vc, tab, begin, std::min(ctx_len, begin + kSlab), ctx_len, block_size, kv_heads, h);
+  }
 
   // items, last tiles first: a causal tile's work grows with its position
   const int64_t tiles = (q_len + kRows - 1) / kRows;
