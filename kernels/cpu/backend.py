@@ -17,6 +17,7 @@ else to torch's SDPA (`kernels.cpu.dense_attention`);
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -39,13 +40,15 @@ DENSE_MIN_WORK_TWO_PASS = 49152
 # With AMX tiles the chunk kernel (csrc/amx_attention.cpp) ties the two-pass kernel at 32 rows from
 # position 0 (0.038 ms each) and is 2.2x faster at 16 rows over 2048 keys, 2.5-8x from 64 rows.
 DENSE_MIN_WORK_AMX = 2048
+DISABLE_AMX_ENV = "PAGEDSERVE_DISABLE_AMX_ATTENTION"  # long chunks back to SDPA (an A/B, or a suspect kernel)
 
 
 def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int | None = None,
                  amx: bool | None = None) -> AttentionBackend:
-    """amx: long chunks through the AMX kernel (None: wherever it runs); False keeps SDPA."""
+    """amx: long chunks through the AMX kernel (None: wherever it runs, unless $PAGEDSERVE_DISABLE_AMX_ATTENTION
+    is set); False keeps SDPA."""
     if amx is None:
-        amx = ext.amx_attention()
+        amx = ext.amx_attention() and not os.environ.get(DISABLE_AMX_ENV)
     if dense_min_work is None:
         dense_min_work = (DENSE_MIN_WORK_AMX if amx else DENSE_MIN_WORK_TWO_PASS if ext.two_pass_attention()
                           else DENSE_MIN_WORK)

@@ -85,3 +85,14 @@ def test_a_bad_block_table_raises():
     with pytest.raises(RuntimeError, match="bfloat16"):
         amx_attention.chunk_attention(ext, inputs["query"].float(), inputs["k_cache"], inputs["v_cache"], table,
                                       100, 0.125)
+
+
+def test_the_environment_switch_keeps_long_chunks_on_sdpa(monkeypatch):
+    from kernels.cpu.backend import DISABLE_AMX_ENV, make_backend
+
+    inputs = build([(300, 64), (5, 1)], 9, 3, 64, 16, torch.bfloat16, seed=5)
+    monkeypatch.setenv(DISABLE_AMX_ENV, "1")
+    off = make_backend(ext).paged_attention(**inputs)
+    assert torch.equal(off, make_backend(ext, amx=False).paged_attention(**inputs))
+    monkeypatch.delenv(DISABLE_AMX_ENV)
+    assert torch.equal(make_backend(ext).paged_attention(**inputs), make_backend(ext, amx=True).paged_attention(**inputs))
