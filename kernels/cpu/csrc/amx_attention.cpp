@@ -22,7 +22,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -83,7 +82,8 @@ inline __m512 exp2_ps(__m512 x) {
 //   keys:   [key groups of 16][2 halves of 16 dimension pairs][16 pair rows][16 keys] dwords
 //   values: [key-pair groups of 32 keys][4 chunks of 16 dims][16 key-pair rows][16 dims] dwords
 struct PackedKV {
-  std::unique_ptr<uint32_t[]> keys, values;  // uninitialised but for the last 64-key block (zeros past the context)
+  uint32_t* keys;  // written for the whole context; the last 64-key block zero past its end
+  uint32_t* values;
 };
 
 // Keys [begin, end) of KV head h (begin even; `p` sized and zeroed for the whole padded context).
@@ -95,7 +95,7 @@ void pack_slab(PackedKV& p, const uint16_t* kc, const uint16_t* vc, const int64_
   };
   for (int64_t pos = begin; pos < end; ++pos) {
     const uint32_t* k = reinterpret_cast<const uint32_t*>(key_row(kc, pos));
-    uint32_t* dst = p.keys.get() + (pos / 16) * (D / 2) * 16 + pos % 16;
+    uint32_t* dst = p.keys + (pos / 16) * (D / 2) * 16 + pos % 16;
     for (int64_t pair = 0; pair < D / 2; ++pair) dst[pair * 16] = k[pair];
   }
   // value pairs: (key 2r, key 2r+1) of each dimension, interleaved as the B operand wants
@@ -106,7 +106,7 @@ void pack_slab(PackedKV& p, const uint16_t* kc, const uint16_t* vc, const int64_
   for (int64_t pos = begin; pos < end; pos += 2) {
     const uint16_t* a = key_row(vc, pos);
     const uint16_t* b = pos + 1 < ctx_len ? key_row(vc, pos + 1) : nullptr;
-    uint32_t* dst = p.values.get() + (pos / 32) * (D / 16) * 256 + ((pos % 32) / 2) * 16;
+    uint32_t* dst = p.values + (pos / 32) * (D / 16) * 256 + ((pos % 32) / 2) * 16;
     for (int64_t half = 0; half < 2; ++half) {
       const __m512i va = _mm512_loadu_si512(a + half * 32);
       const __m512i vb = b ? _mm512_loadu_si512(b + half * 32) : zero;
@@ -199,7 +199,7 @@ void run_item(Scratch& s, const PackedKV& kv, const uint16_t* query, int64_t q_s
     _tile_loadd(1, s.q + 32, D * 2);
     for (int64_t r = 0; r < kRows; ++r) mx[r] = ninf;
     for (int64_t kb = cs; kb < ce; kb += kKeyBlock) {
-      const uint32_t* kp = kv.keys.get() + (kb / 16) * 512;
+      const uint32_t* kp = kv.keys + (kb / 16) * 512;
       float* dst = s.scores + (kb - cs) * kRows;
       _tile_zero(2);
       _tile_zero(3);
@@ -253,7 +253,7 @@ void run_item(Scratch& s, const PackedKV& kv, const uint16_t* query, int64_t q_s
     probabilities(s.scores, s.p[0]);
     for (int64_t kb = cs, j = 0; kb < ce; kb += kKeyBlock, ++j) {
       const uint16_t* pb = s.p[j & 1];
-      const uint32_t* vp = kv.values.get() + (kb / 32) * 1024;
+      const uint32_t* vp = kv.values + (kb / 32) * 1024;
       _tile_loadd(0, pb, kKeyBlock * 2);
       _tile_loadd(1, pb + 32, kKeyBlock * 2);
       _tile_loadd(6, vp, 64);
@@ -332,12 +332,20 @@ void amx_chunk_attention(at::Tensor& out, const at::Tensor& query, const at::Ten
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  // kept between calls (per calling thread): fresh pages for every call cost their first-touch faults
+  // and aligned to cache lines: a tile row split over two lines costs two loads (malloc's large blocks
+  // start 16 bytes into a page)
+  static thread_local std::vector<uint32_t> arena;
+  const int64_t per_head = ctx_pad * D / 2;
+  if (static_cast<int64_t>(arena.size()) < 2 * kv_heads * per_head + 16) arena.resize(2 * kv_heads * per_head + 16);
+  uint32_t* base = arena.data() + (16 - (reinterpret_cast<uintptr_t>(arena.data()) % 64) / 4) % 16;
   std::vector<PackedKV> packed(kv_heads);
-  for (auto& p : packed) {
-    p.keys.reset(new uint32_t[ctx_pad * D / 2]);
-    p.values.reset(new uint32_t[ctx_pad * D / 2]);
-    std::memset(p.keys.get() + (ctx_pad - kKeyBlock) * D / 2, 0, kKeyBlock * D * 2);
-    std::memset(p.values.get() + (ctx_pad - kKeyBlock) * D / 2, 0, kKeyBlock * D * 2);
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    PackedKV& p = packed[h];
+    p.keys = base + 2 * h * per_head;
+    p.values = p.keys + per_head;
+    std::memset(p.keys + (ctx_pad - kKeyBlock) * D / 2, 0, kKeyBlock * D * 2);
+    std::memset(p.values + (ctx_pad - kKeyBlock) * D / 2, 0, kKeyBlock * D * 2);
   }
   const int threads = std::max(1, at::get_num_threads());
   constexpr int64_t kSlab = 512;
