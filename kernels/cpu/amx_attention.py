@@ -16,7 +16,7 @@ from kernels import reference as torch_reference
 
 def available(ext) -> bool:
     """Whether the built extension has the kernel and Linux granted this process the tile registers."""
-    return ext is not None and hasattr(ext, "amx_attention") and bool(ext.amx_attention())
+    return ext is not None and bool(ext.amx_attention())
 
 
 def chunk_attention(ext, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, ctx_len: int,

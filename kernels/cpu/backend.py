@@ -38,7 +38,7 @@ DENSE_MIN_ROWS = 16
 DENSE_MIN_WORK = 4096
 DENSE_MIN_WORK_TWO_PASS = 49152
 # With AMX tiles the chunk kernel (csrc/amx_attention.cpp) ties the two-pass kernel at 32 rows from
-# position 0 (0.038 ms each) and is 2.2x faster at 16 rows over 2048 keys, 2.5-8x from 64 rows.
+# position 0 (0.038 ms each), takes 0.35x its time at 16 rows over 2048 keys and 0.11-0.57x from 64 rows.
 DENSE_MIN_WORK_AMX = 2048
 DISABLE_AMX_ENV = "PAGEDSERVE_DISABLE_AMX_ATTENTION"  # long chunks back to SDPA (an A/B, or a suspect kernel)
 

@@ -1,19 +1,20 @@
 // Causal attention of one long query chunk over its paged context on AMX tiles (bfloat16,
 // head_dim 64): the prefill path that torch's flash SDPA took before (~0.5 TFLOPS on two
-// cores), at the rate of the tile unit's matmuls. kernels/cpu/amx_attention.py holds the
-// torch reference the tests compare it with and the Python entry.
+// cores). kernels/cpu/amx_attention.py holds the Python entry and the torch reference the
+// tests compare it with.
 //
 // Queries sit at positions ctx_len - q_len .. ctx_len - 1 and see keys up to their own
 // position (and after pos - sliding_window when there is a window). First the context's
 // keys are packed per KV head as the tile unit's B operand (K transposed, dimension pairs
-// in rows) and its values with key pairs in rows, both zero-padded to 64 keys. A work item
-// is (query head, 16 query positions): its 16 x 64 query tile multiplies the packed keys 64
-// at a time into a row of float32 scores per query (pass 1, with each row's running max),
-// then the scores become exp2((s - max) * scale * log2 e) in bfloat16, 64 keys at a time, and
-// multiply the packed values into four 16 x 16 accumulators that stay in tile registers
-// for the whole context (pass 2: the max is final, so nothing is rescaled). Each row's sum
-// divides it at the end. Items run on OpenMP threads, longest first; each thread keeps
-// its tile configuration for the whole call.
+// in rows) and its values with key pairs in rows, in a cache-line-aligned buffer kept
+// between calls. A work item is (query head, 16 query positions). It walks the keys in
+// chunks of 512 whose float32 scores stay in L1: pass 1 multiplies its 16 x 64 query tile
+// with the packed keys 64 at a time into those scores, masked, with each row's max; the
+// accumulators are rescaled where a row's max grew since the last chunk; pass 2 turns the
+// scores into exp2((s - max) * scale * log2 e) in bfloat16 and multiplies the packed values
+// into four 16 x 16 accumulators held in tile registers for the chunk. Each row's sum
+// divides it at the end. Items run on OpenMP threads, KV head by KV head and longest first;
+// each thread keeps its tile configuration for the whole call.
 #include "common.h"
 
 #include <omp.h>
@@ -86,7 +87,7 @@ struct PackedKV {
   uint32_t* values;
 };
 
-// Keys [begin, end) of KV head h (begin even; `p` sized and zeroed for the whole padded context).
+// Keys [begin, end) of KV head h into `p` (begin even; keys past the context stay as the caller zeroed them).
 void pack_slab(PackedKV& p, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t begin,
                int64_t end, int64_t ctx_len, int64_t block_size, int64_t kv_heads, int64_t h) {
   const int64_t row_stride = kv_heads * D;
@@ -319,11 +320,9 @@ void amx_chunk_attention(at::Tensor& out, const at::Tensor& query, const at::Ten
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(q_len >= 1 && q_len <= ctx_len, "a chunk of ", q_len, " tokens cannot end a context of ", ctx_len);
   const auto table = block_table.to(at::kLong).contiguous();
-  const int64_t used = (ctx_len + block_size - 1) / block_size;
-  TORCH_CHECK(table.dim() == 1 && table.numel() >= used, "block table too short for its context");
+  TORCH_CHECK(table.dim() == 1, "block_table must be one sequence's block ids");
   const int64_t* tab = table.data_ptr<int64_t>();
-  for (int64_t b = 0; b < used; ++b)
-    TORCH_CHECK(tab[b] >= 0 && tab[b] < num_blocks, "block id ", tab[b], " outside the KV pool");
+  check_block_table(tab, table.numel(), ctx_len, block_size, num_blocks, 0);
 
   const int64_t ctx_pad = (ctx_len + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
   const int64_t group = heads / kv_heads;

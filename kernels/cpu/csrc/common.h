@@ -22,6 +22,19 @@
 
 namespace pagedserve {
 
+// One sequence's block table against its context and the pool (defence in depth behind
+// BatchMetadata's checks): a bad table raises here instead of reading another sequence's KV
+// or past the pool.
+inline void check_block_table(const int64_t* table, int64_t table_len, int64_t ctx_len, int64_t block_size,
+                              int64_t num_blocks, int64_t seq) {
+  const int64_t used = (ctx_len + block_size - 1) / block_size;
+  TORCH_CHECK(used <= table_len, "sequence ", seq, ": block table too short for its context (", ctx_len,
+              " tokens need ", used, " blocks, the table has ", table_len, ")");
+  for (int64_t b = 0; b < used; ++b)
+    TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", seq, ": block id ", table[b], " at index ", b,
+                " outside the KV pool of ", num_blocks, " blocks");
+}
+
 inline float bf16_bits_to_float(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;

@@ -583,13 +583,7 @@ std::vector<WorkItem> items;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t q_len = qsl_p[i + 1] - qsl_p[i];
     TORCH_CHECK(q_len >= 0 && q_len <= ctx_p[i], "sequence ", i, ": more new tokens than context");
-    const int64_t used_blocks = (ctx_p[i] + block_size - 1) / block_size;
-    TORCH_CHECK(used_blocks <= tables.size(1), "sequence ", i, ": block table too short for its context (",
-                ctx_p[i], " tokens need ", used_blocks, " blocks, the table has ", tables.size(1), ")");
-    const int64_t* table = tab_p + i * tables.size(1);
-    for (int64_t b = 0; b < used_blocks; ++b)
-      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", i, ": block id ", table[b], " at index ",
-                  b, " outside the KV pool of ", num_blocks, " blocks");
+    check_block_table(tab_p + i * tables.size(1), tables.size(1), ctx_p[i], block_size, num_blocks, i);
     for (int64_t t = 0; t < q_len; t += kQueryTile)
       for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({i, t, std::min(q_len, t + kQueryTile), h});
   }
