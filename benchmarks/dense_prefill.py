@@ -3,8 +3,8 @@
 `--attention` (the default part): one layer's attention of SmolLM2's shape (9 query heads,
 3 KV heads, head_dim 64, block size 16, scattered blocks) for one chunk of q_len tokens,
 starting at position 0 or after `--context` tokens of earlier context, through the C++
-kernel alone, the backend with the SDPA path forced, and (with AMX tiles, bfloat16) the
-backend with the AMX kernel forced, alternated call by call so that load from other
+kernel alone, the backend with the SDPA path forced, and (bfloat16) the backend with each
+chunk kernel that runs here forced (`kernels.cpu.chunk_kernels`: AMX, AVX512-BF16), alternated call by call so that load from other
 processes slows all alike. Prints the median of each and their ratios to SDPA: where the
 C++ kernel's crosses the chunk kernel's gives `kernels.cpu.backend.DENSE_MIN_ROWS` and
 `DENSE_MIN_WORK`.
@@ -13,7 +13,7 @@ C++ kernel's crosses the chunk kernel's gives `kernels.cpu.backend.DENSE_MIN_ROW
 (the scheduler's --max-num-batched-tokens), median of `--repeats` prompts, with tok/s and
 the GFLOPS that implies, attention counted (causal: each query row against the keys up
 to its own), against the rate of a [2048, 576] x [576, 1536] bfloat16 matmul (best of 20) timed here;
-the backend with long chunks through the AMX kernel ("amx"), through SDPA ("sdpa"), and with
+the backend with long chunks through a chunk kernel ("amx", "avx512_bf16"), through SDPA ("sdpa"), and with
 its C++ kernel for every chunk ("c++", `--deterministic`'s), prompts alternating between them.
 
     python -m benchmarks.dense_prefill [--dtype bfloat16] [--lens 16 32 64 128 512 2048]
@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from kernels.cpu import chunk_kernels
 from kernels.cpu.backend import make_backend
 from kernels.cpu.build import load
 
@@ -58,9 +59,10 @@ def one_chunk(ctx: int, q_len: int, dtype: torch.dtype) -> dict:
 def attention(dtype: torch.dtype, lens: list[int], context: int, repeats: int) -> None:
     ext = load()
     paths = {"C++": make_backend(ext).row_invariant_paged_attention,
-             "SDPA": make_backend(ext, dense_min_rows=1, dense_min_work=0, amx=False).paged_attention}
-    if ext.amx_attention() and dtype == torch.bfloat16:
-        paths["AMX"] = make_backend(ext, dense_min_rows=1, dense_min_work=0, amx=True).paged_attention
+             "SDPA": make_backend(ext, dense_min_rows=1, dense_min_work=0, chunk=None).paged_attention}
+    for name in chunk_kernels.KERNELS:
+        if chunk_kernels.available(ext, name) and dtype == torch.bfloat16:
+            paths[name.upper()] = make_backend(ext, dense_min_rows=1, dense_min_work=0, chunk=name).paged_attention
     print(f"one layer's attention, {dtype}, {torch.get_num_threads()} threads; ms, median of {repeats}, "
           f"and each path's time / SDPA's")
     print(f"{'q_len':>6} {'start':>6} " + " ".join(f"{name:>9}" for name in paths)
@@ -102,10 +104,15 @@ def prefill(lengths: list[int], chunk: int, repeats: int, names: list[str]) -> N
     cfg = r.model.config
     print(f"dtype {r.dtype}, backend {r.backend.name}, {torch.get_num_threads()} threads, chunk {chunk}")
     ext = load()
-    both = {"amx": dataclasses.replace(r.model.backend, paged_attention=make_backend(ext, amx=True).paged_attention),
-            "sdpa": dataclasses.replace(r.model.backend, paged_attention=make_backend(ext, amx=False).paged_attention),
-            "c++": dataclasses.replace(r.model.backend, paged_attention=r.model.backend.row_invariant_paged_attention)}
-    paths = {name: both[name] for name in names}
+    def through(name: str):
+        if name == "c++":
+            return dataclasses.replace(r.model.backend, paged_attention=r.model.backend.row_invariant_paged_attention)
+        chunk = None if name == "sdpa" else name
+        if chunk and not chunk_kernels.available(ext, chunk):
+            raise SystemExit(f"--paths {name}: that kernel does not run here")
+        return dataclasses.replace(r.model.backend, paged_attention=make_backend(ext, chunk=chunk).paged_attention)
+
+    paths = {name: through(name) for name in names}
     prompt = 0
     for n in lengths:
         def run(path: str, n=n):
@@ -149,13 +156,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch's threads (default: torch's own choice)")
     p.add_argument("--prefill", type=int, nargs="*", help="prompt lengths to prefill through the model instead")
     p.add_argument("--chunk", type=int, default=2048)
-    p.add_argument("--paths", nargs="+", default=["amx", "sdpa", "c++"], choices=["amx", "sdpa", "c++"],
-                   help="amx: the AMX kernel for long chunks (needs AMX tiles)")
+    p.add_argument("--paths", nargs="+", choices=[*chunk_kernels.KERNELS, "sdpa", "c++"],
+                   help="a chunk kernel for long chunks (amx: needs AMX tiles; avx512_bf16: AVX512-BF16), SDPA, or "
+                        "the C++ kernel for every chunk (default: the best chunk kernel here, sdpa and c++)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.prefill:
-        prefill(args.prefill, args.chunk, args.repeats, args.paths)
+        best = chunk_kernels.best(load())
+        prefill(args.prefill, args.chunk, args.repeats, args.paths or [*([best] if best else []), "sdpa", "c++"])
     else:
         attention(getattr(torch, args.dtype), args.lens, args.context, args.repeats)
 

@@ -8,8 +8,9 @@ calls the same kernel as a dispatcher op (`torch.ops.pagedserve.*`, see
 `kernels.custom_ops`), which dynamo keeps in its graph instead of breaking it.
 
 Paged attention sends sequences whose query chunk has at least DENSE_MIN_ROWS tokens and
-DENSE_MIN_WORK query x context pairs to the AMX chunk kernel where the CPU has AMX tiles,
-else to torch's SDPA (`kernels.cpu.dense_attention`);
+enough query x context pairs to a chunk kernel (`kernels.cpu.chunk_kernels`: on AMX tiles
+where the CPU has them, else with AVX512-BF16 dot products where it has those), else to
+torch's SDPA (`kernels.cpu.dense_attention`);
 `row_invariant_paged_attention` is the C++ kernel alone for every row, which
 `--deterministic` takes instead.
 """
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from kernels import reference
 from kernels.attention import AttentionBackend
+from kernels.cpu import chunk_kernels
 from kernels.cpu.build import load
 from kernels.cpu.dense_attention import attend
 from kernels.custom_ops import cpu_ops
@@ -37,21 +39,38 @@ from kernels.custom_ops import cpu_ops
 DENSE_MIN_ROWS = 16
 DENSE_MIN_WORK = 4096
 DENSE_MIN_WORK_TWO_PASS = 49152
-# With AMX tiles the chunk kernel (csrc/amx_attention.cpp) ties the two-pass kernel at 32 rows from
-# position 0 (0.038 ms each), takes 0.35x its time at 16 rows over 2048 keys and 0.11-0.57x from 64 rows.
-DENSE_MIN_WORK_AMX = 2048
-DISABLE_AMX_ENV = "PAGEDSERVE_DISABLE_AMX_ATTENTION"  # long chunks back to SDPA (an A/B, or a suspect kernel)
+# where each chunk kernel overtakes the two-pass kernel (`benchmarks.dense_prefill`, one layer, 2 threads).
+# AMX (csrc/amx_attention.cpp, a Xeon): ties it at 32 rows from position 0 (0.038 ms each), 0.35x its
+# time at 16 rows over 2048 keys and 0.11-0.57x from 64 rows. AVX512-BF16 (csrc/avx512_attention.cpp,
+# an AMD Zen 4, where SDPA lost to the two-pass kernel at every length): ties it at 48 rows from 0 and at
+# 64 from 0 (4096 pairs), 0.84x its time at 16 rows over 272 keys, 0.39-0.60x from 128 rows.
+CHUNK_MIN_WORK = {"amx": 2048, "avx512_bf16": 4096}
+CHUNK_KERNEL_ENV = "PAGEDSERVE_CHUNK_ATTENTION"  # sdpa, amx or avx512_bf16: an A/B, or a suspect kernel set aside
+
+
+def chosen_chunk_kernel(ext) -> str | None:
+    """The kernel long bfloat16 chunks take: $PAGEDSERVE_CHUNK_ATTENTION's (None for sdpa), else the best here."""
+    asked = os.environ.get(CHUNK_KERNEL_ENV, "auto")
+    if asked == "auto":
+        return chunk_kernels.best(ext)
+    if asked == "sdpa":
+        return None
+    if asked not in chunk_kernels.KERNELS or not chunk_kernels.available(ext, asked):
+        raise ValueError(f"{CHUNK_KERNEL_ENV}={asked}: choose auto, sdpa or one that runs here "
+                         f"({[k for k in chunk_kernels.KERNELS if chunk_kernels.available(ext, k)]})")
+    return asked
 
 
 def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int | None = None,
-                 amx: bool | None = None) -> AttentionBackend:
-    """amx: long chunks through the AMX kernel (None: wherever it runs, unless $PAGEDSERVE_DISABLE_AMX_ATTENTION
-    is set); False keeps SDPA."""
-    if amx is None:
-        amx = ext.amx_attention() and not os.environ.get(DISABLE_AMX_ENV)
+                 chunk: str | None = "auto") -> AttentionBackend:
+    """chunk: the kernel for long bfloat16 chunks (`chunk_kernels.KERNELS`), None for SDPA, "auto" for
+    `chosen_chunk_kernel`'s."""
+    if chunk == "auto":
+        chunk = chosen_chunk_kernel(ext)
     if dense_min_work is None:
-        dense_min_work = (DENSE_MIN_WORK_AMX if amx else DENSE_MIN_WORK_TWO_PASS if ext.two_pass_attention()
+        dense_min_work = (CHUNK_MIN_WORK[chunk] if chunk else DENSE_MIN_WORK_TWO_PASS if ext.two_pass_attention()
                           else DENSE_MIN_WORK)
+    chunk_kernel = chunk_kernels.kernel(ext, chunk) if chunk else None
     ops = cpu_ops(ext)
     compiling = torch.compiler.is_compiling  # a constant True to dynamo; ~0.1 us eagerly
 
@@ -77,9 +96,9 @@ def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int 
                                     sliding_window)
         out = torch.empty(query.shape, dtype=query.dtype)
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-        chunk_kernel = ext.amx_chunk_attention if amx and _amx_shapes(query, k_cache) else None
         attend(ext.paged_attention, out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-               scale, sliding_window or 0, dense_min_rows, dense_min_work, chunk_kernel)
+               scale, sliding_window or 0, dense_min_rows, dense_min_work,
+               chunk_kernel if chunk_kernel and _chunk_shapes(query, k_cache) else None)
         return out
 
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -131,8 +150,8 @@ def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int 
     )
 
 
-def _amx_shapes(query: Tensor, k_cache: Tensor) -> bool:
-    """What the AMX kernel takes: bfloat16 queries and cache, head_dim 64, each token's heads contiguous."""
+def _chunk_shapes(query: Tensor, k_cache: Tensor) -> bool:
+    """What the chunk kernels take: bfloat16 queries and cache, head_dim 64, each token's heads contiguous."""
     return (query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and query.shape[-1] == 64
             and query.stride(-1) == 1 and query.stride(-2) == 64)
 

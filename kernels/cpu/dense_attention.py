@@ -1,8 +1,9 @@
-"""Long query chunks through the AMX kernel or torch's fused SDPA instead of the C++ paged kernel.
+"""Long query chunks through a chunk kernel or torch's fused SDPA instead of the C++ paged kernel.
 
-Where the CPU has AMX tiles (and the chunk is bfloat16 with head_dim 64) the long chunks go to
-`amx_chunk_attention` in csrc/amx_attention.cpp (`kernels.cpu.amx_attention` holds its
-reference), which reads the paged context in place; elsewhere they take SDPA as below.
+Where the CPU has AMX tiles or AVX512-BF16 (and the chunk is bfloat16 with head_dim 64) the long
+chunks go to a chunk kernel (`kernels.cpu.chunk_kernels`: csrc/amx_attention.cpp or
+csrc/avx512_attention.cpp), which reads the paged context in place; elsewhere they take SDPA
+as below.
 
 The C++ kernel (csrc/paged_attention.cpp) computes attention with float32 FMAs, ~70
 GFLOPS on two AMX cores; torch's flash SDPA in bfloat16 runs its two matmuls on AMX

@@ -56,7 +56,7 @@ def test_a_ragged_step_matches_the_reference(dtype, block_size, heads, window):
     num_heads, num_kv_heads = heads
     inputs = build(ragged(block_size), num_heads, num_kv_heads, 64, block_size, dtype, pad_columns=2)
     want = expected(inputs, window)
-    for backend in (make_backend(ext, dense_min_rows=MIN_ROWS, dense_min_work=0, amx=False),
+    for backend in (make_backend(ext, dense_min_rows=MIN_ROWS, dense_min_work=0, chunk=None),
                     make_backend(ext, dense_min_rows=MIN_ROWS, dense_min_work=0), make_backend(ext)):
         got = backend.paged_attention(**inputs, sliding_window=window)
         assert got.dtype == dtype
@@ -77,7 +77,7 @@ def test_the_long_chunks_take_the_sdpa_path(dtype, seq, window):
                              ctx, 64**-0.5, window or 0)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(direct.float(), expected(inputs, window)[rows], atol=atol, rtol=rtol)
-    backend = make_backend(ext, dense_min_rows=MIN_ROWS, dense_min_work=0, amx=False)
+    backend = make_backend(ext, dense_min_rows=MIN_ROWS, dense_min_work=0, chunk=None)
     assert torch.equal(backend.paged_attention(**inputs, sliding_window=window)[rows], direct)
     kernel_only = backend.row_invariant_paged_attention(**inputs, sliding_window=window)
     torch.testing.assert_close(kernel_only.float(), expected(inputs, window), atol=atol, rtol=rtol)
@@ -97,19 +97,20 @@ def test_a_strided_query_and_a_cache_in_another_dtype():
 
 
 def test_the_default_thresholds_pick_the_path_by_rows_and_work():
-    """Under DENSE_MIN_ROWS rows, or q_len x context under the build's minimum work (DENSE_MIN_WORK_AMX
-    with AMX tiles, DENSE_MIN_WORK_TWO_PASS where the kernel takes its AVX-512 two-pass path, else
-    DENSE_MIN_WORK): the C++ kernel's bits; else the chunk path's (the AMX kernel's, or SDPA's)."""
-    from kernels.cpu import amx_attention
+    """Under DENSE_MIN_ROWS rows, or q_len x context under the build's minimum work (CHUNK_MIN_WORK of the
+    chunk kernel that runs here, else DENSE_MIN_WORK_TWO_PASS where the kernel takes its AVX-512 two-pass
+    path, else DENSE_MIN_WORK): the C++ kernel's bits; else the chunk path's (the chunk kernel's, or SDPA's)."""
+    from kernels.cpu import chunk_kernels
     from kernels.cpu.backend import (
+        CHUNK_MIN_WORK,
         DENSE_MIN_ROWS,
         DENSE_MIN_WORK,
-        DENSE_MIN_WORK_AMX,
         DENSE_MIN_WORK_TWO_PASS,
     )
 
-    amx = amx_attention.available(ext)
-    min_work = DENSE_MIN_WORK_AMX if amx else DENSE_MIN_WORK_TWO_PASS if ext.two_pass_attention() else DENSE_MIN_WORK
+    best = chunk_kernels.best(ext)
+    min_work = (CHUNK_MIN_WORK[best] if best else DENSE_MIN_WORK_TWO_PASS if ext.two_pass_attention()
+                else DENSE_MIN_WORK)
     backend = make_backend(ext)
     cases = {  # (context, q_len): the chunk path?
         (4000, DENSE_MIN_ROWS): DENSE_MIN_ROWS * 4000 >= min_work,
@@ -125,6 +126,6 @@ def test_the_default_thresholds_pick_the_path_by_rows_and_work():
         kernel = backend.row_invariant_paged_attention(**inputs)[:q_len]
         args = (inputs["query"][:q_len], inputs["k_cache"], inputs["v_cache"], inputs["block_tables"][0], ctx,
                 64**-0.5)
-        direct = amx_attention.chunk_attention(ext, *args) if amx else chunk_attention(*args, 0)
+        direct = chunk_kernels.chunk_attention(ext, best, *args) if best else chunk_attention(*args, 0)
         assert torch.equal(got, direct if dense else kernel), (ctx, q_len)
         assert not torch.equal(direct, kernel), (ctx, q_len)

@@ -1,13 +1,12 @@
 // Causal attention of one long query chunk over its paged context on AMX tiles (bfloat16,
 // head_dim 64): the prefill path that torch's flash SDPA took before (~0.5 TFLOPS on two
-// cores). kernels/cpu/amx_attention.py holds the Python entry and the torch reference the
+// cores). kernels/cpu/chunk_kernels.py holds the Python entry and the torch reference the
 // tests compare it with.
 //
 // Queries sit at positions ctx_len - q_len .. ctx_len - 1 and see keys up to their own
 // position (and after pos - sliding_window when there is a window). First the context's
-// keys are packed per KV head as the tile unit's B operand (K transposed, dimension pairs
-// in rows) and its values with key pairs in rows, in a cache-line-aligned buffer kept
-// between calls. A work item is (query head, 16 query positions). It walks the keys in
+// keys and values are packed per KV head as the tile unit's B operands (chunk_attention.h).
+// A work item is (query head, 16 query positions). It walks the keys in
 // chunks of 512 whose float32 scores stay in L1: pass 1 multiplies its 16 x 64 query tile
 // with the packed keys 64 at a time into those scores, masked, with each row's max; the
 // accumulators are rescaled where a row's max grew since the last chunk; pass 2 turns the
@@ -15,7 +14,7 @@
 // into four 16 x 16 accumulators held in tile registers for the chunk. Each row's sum
 // divides it at the end. Items run on OpenMP threads, KV head by KV head and longest first;
 // each thread keeps its tile configuration for the whole call.
-#include "common.h"
+#include "chunk_attention.h"
 
 #include <omp.h>
 
@@ -37,9 +36,11 @@ namespace pagedserve {
 #ifdef PAGEDSERVE_AMX
 namespace {
 
-constexpr int64_t D = 64;         // head_dim this kernel takes
-constexpr int64_t kRows = 16;     // query positions per item (a tile's rows)
-constexpr int64_t kKeyBlock = 64;  // keys per step of either pass
+using chunk::D;
+using chunk::exp2_ps;
+using chunk::kKeyBlock;  // keys per step of either pass
+using chunk::PackedKV;
+constexpr int64_t kRows = 16;      // query positions per item (a tile's rows)
 constexpr int64_t kChunk = 512;    // keys whose scores are held at once (32 KB: L1)
 
 // Linux hands out the tile registers' state only to a process that asks (once).
@@ -63,58 +64,6 @@ void configure_tiles() {
     cfg.rows[t] = 16;
   }
   _tile_loadconfig(&cfg);
-}
-
-// 2^x for x <= 0: the fraction x - floor(x) in one vreduceps, 2^fraction by a degree-4
-// polynomial (relative error 3e-6, far below the bfloat16 the probabilities are rounded to),
-// times 2^floor(x) by vscalefps. A masked score's -inf gives exactly 0 (vreduceps(-inf) = 0,
-// vscalefps(p, -inf) = 0); the call runs with denormals flushed, so x < -126 gives 0 as well.
-inline __m512 exp2_ps(__m512 x) {
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_set1_ps(0.013520603197212518f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05203742877442222f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2414274932511992f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6930066206638739f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000002518130136f));
-  return _mm512_scalef_ps(p, x);
-}
-
-// The context's keys and values for one KV head in the tile unit's layouts.
-//   keys:   [key groups of 16][2 halves of 16 dimension pairs][16 pair rows][16 keys] dwords
-//   values: [key-pair groups of 32 keys][4 chunks of 16 dims][16 key-pair rows][16 dims] dwords
-struct PackedKV {
-  uint32_t* keys;  // written for the whole context; the last 64-key block zero past its end
-  uint32_t* values;
-};
-
-// Keys [begin, end) of KV head h into `p` (begin even; keys past the context stay as the caller zeroed them).
-void pack_slab(PackedKV& p, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t begin,
-               int64_t end, int64_t ctx_len, int64_t block_size, int64_t kv_heads, int64_t h) {
-  const int64_t row_stride = kv_heads * D;
-  auto key_row = [&](const uint16_t* cache, int64_t pos) {
-    return cache + ((table[pos / block_size] * block_size + pos % block_size) * row_stride + h * D);
-  };
-  for (int64_t pos = begin; pos < end; ++pos) {
-    const uint32_t* k = reinterpret_cast<const uint32_t*>(key_row(kc, pos));
-    uint32_t* dst = p.keys + (pos / 16) * (D / 2) * 16 + pos % 16;
-    for (int64_t pair = 0; pair < D / 2; ++pair) dst[pair * 16] = k[pair];
-  }
-  // value pairs: (key 2r, key 2r+1) of each dimension, interleaved as the B operand wants
-  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
-                                      5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t pos = begin; pos < end; pos += 2) {
-    const uint16_t* a = key_row(vc, pos);
-    const uint16_t* b = pos + 1 < ctx_len ? key_row(vc, pos + 1) : nullptr;
-    uint32_t* dst = p.values + (pos / 32) * (D / 16) * 256 + ((pos % 32) / 2) * 16;
-    for (int64_t half = 0; half < 2; ++half) {
-      const __m512i va = _mm512_loadu_si512(a + half * 32);
-      const __m512i vb = b ? _mm512_loadu_si512(b + half * 32) : zero;
-      _mm512_storeu_si512(dst + (2 * half) * 256, _mm512_permutex2var_epi16(va, lo, vb));
-      _mm512_storeu_si512(dst + (2 * half + 1) * 256, _mm512_permutex2var_epi16(va, hi, vb));
-    }
-  }
 }
 
 struct Scratch {
@@ -307,75 +256,31 @@ void amx_chunk_attention(at::Tensor& out, const at::Tensor& query, const at::Ten
                          int64_t sliding_window) {
   TORCH_CHECK(amx_attention_available(), "amx_chunk_attention: this build or CPU has no AMX tiles");
 #ifdef PAGEDSERVE_AMX
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "amx_chunk_attention takes bfloat16 queries and caches");
-  TORCH_CHECK(query.dim() == 3 && query.size(2) == D && query.stride(2) == 1 && query.stride(1) == D,
-              "query must be [q_len, heads, 64] with contiguous heads");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.stride(1) == D, "out must match query");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(3) == D &&
-                  v_cache.sizes() == k_cache.sizes(), "caches must be contiguous [blocks, block_size, kv_heads, 64]");
-  const int64_t q_len = query.size(0), heads = query.size(1);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), num_blocks = k_cache.size(0);
-  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q_len >= 1 && q_len <= ctx_len, "a chunk of ", q_len, " tokens cannot end a context of ", ctx_len);
-  const auto table = block_table.to(at::kLong).contiguous();
-  TORCH_CHECK(table.dim() == 1, "block_table must be one sequence's block ids");
-  const int64_t* tab = table.data_ptr<int64_t>();
-  check_block_table(tab, table.numel(), ctx_len, block_size, num_blocks, 0);
-
-  const int64_t ctx_pad = (ctx_len + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-  const int64_t group = heads / kv_heads;
+  const auto table = chunk::check_args("amx_chunk_attention", out, query, k_cache, v_cache, block_table, ctx_len);
+  const int threads = std::max(1, at::get_num_threads());
+  const std::vector<PackedKV> packed = chunk::pack_context(k_cache, v_cache, table.data_ptr<int64_t>(), ctx_len,
+                                                           threads);
+  const int64_t q_len = query.size(0), heads = query.size(1), group = heads / k_cache.size(2);
   const int64_t first = ctx_len - q_len;
-  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
-  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  // kept between calls (per calling thread): fresh pages for every call cost their first-touch faults
-  // and aligned to cache lines: a tile row split over two lines costs two loads (malloc's large blocks
-  // start 16 bytes into a page)
-  static thread_local std::vector<uint32_t> arena;
-  const int64_t per_head = ctx_pad * D / 2;
-  if (static_cast<int64_t>(arena.size()) < 2 * kv_heads * per_head + 16) arena.resize(2 * kv_heads * per_head + 16);
-  uint32_t* base = arena.data() + (16 - (reinterpret_cast<uintptr_t>(arena.data()) % 64) / 4) % 16;
-  std::vector<PackedKV> packed(kv_heads);
-  for (int64_t h = 0; h < kv_heads; ++h) {
-    PackedKV& p = packed[h];
-    p.keys = base + 2 * h * per_head;
-    p.values = p.keys + per_head;
-    std::memset(p.keys + (ctx_pad - kKeyBlock) * D / 2, 0, kKeyBlock * D * 2);
-    std::memset(p.values + (ctx_pad - kKeyBlock) * D / 2, 0, kKeyBlock * D * 2);
-  }
-  const int threads = std::max(1, at::get_num_threads());
-  constexpr int64_t kSlab = 512;
-  const int64_t slabs = (ctx_len + kSlab - 1) / kSlab;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t i = 0; i < kv_heads * slabs; ++i) {
-    const int64_t h = i / slabs, begin = (i % slabs) * kSlab;
-    pack_slab(packed[h], kc, vc, tab, begin, std::min(ctx_len, begin + kSlab), ctx_len, block_size, kv_heads, h);
-  }
 
-  // items, last tiles first: a causal tile's work grows with its position
   const int64_t tiles = (q_len + kRows - 1) / kRows;
   const int64_t n_items = tiles * heads;
   const float fscale = static_cast<float>(scale);
 #pragma omp parallel num_threads(threads)
   {
-    const unsigned int mxcsr = _mm_getcsr();
-    _mm_setcsr(mxcsr | 0x8040);  // flush-to-zero and denormals-are-zero while this call's threads run it
+    const chunk::FlushDenormals flush;
     configure_tiles();
     Scratch s;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
-      // KV head by KV head, so both threads read the same packed keys and values from cache
-      const int64_t g = i / (tiles * group), rest = i % (tiles * group);
-      const int64_t t = tiles - 1 - rest / group, head = g * group + rest % group;
-      const int64_t r0 = t * kRows, rows = std::min(kRows, q_len - r0);
+      const auto [head, r0] = chunk::item_at(i, tiles, group, kRows);
       run_item(s, packed[head / group], q + r0 * query.stride(0) + head * D, query.stride(0),
-               o + r0 * out.stride(0) + head * D, out.stride(0), first + r0, rows, ctx_len, fscale, sliding_window);
+               o + r0 * out.stride(0) + head * D, out.stride(0), first + r0, std::min(kRows, q_len - r0), ctx_len,
+               fscale, sliding_window);
     }
     _tile_release();
-    _mm_setcsr(mxcsr);
   }
 #endif
 }

@@ -17,6 +17,10 @@ void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
 bool amx_attention_available();
 void amx_chunk_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_table, int64_t ctx_len, double scale, int64_t sliding_window);
+bool avx512_bf16_attention_available();
+void avx512_bf16_chunk_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& block_table, int64_t ctx_len,
+                                 double scale, int64_t sliding_window);
 void lora_grouped(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
                   const at::Tensor& blocks, const at::Tensor& rows, const at::Tensor& groups);
 }  // namespace pagedserve
@@ -34,6 +38,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether amx_chunk_attention runs here (an AMX build, and Linux granted the tile registers)");
   m.def("amx_chunk_attention", &pagedserve::amx_chunk_attention,
         "causal attention of one bfloat16 chunk (head_dim 64) over its paged context on AMX tiles");
+  m.def("avx512_bf16_attention", &pagedserve::avx512_bf16_attention_available,
+        "whether avx512_bf16_chunk_attention runs here (a build with AVX512-BF16)");
+  m.def("avx512_bf16_chunk_attention", &pagedserve::avx512_bf16_chunk_attention,
+        "causal attention of one bfloat16 chunk (head_dim 64) over its paged context with vdpbf16ps");
   m.def("rms_norm", &pagedserve::rms_norm, "out = weight * rms_norm(x)");
   m.def("fused_add_rms_norm", &pagedserve::fused_add_rms_norm, "residual += x; x = weight * rms_norm(residual)");
   m.def("silu_and_mul", &pagedserve::silu_and_mul, "out = silu(gate) * up");
