@@ -43,6 +43,11 @@ from tests.lora_helpers import make_peft_adapter
 
 TOLERANCE = 1e-4
 LOGIT_TOLERANCE = 1.0  # quantized (int4, bfloat16 activations): as tests/executor/test_cpu_fast_path.py
+# TP 2 against TP 1, both quantized: each rank's row-parallel partial sums are rounded to bfloat16 before
+# they are added, 60 times over 30 layers, on top of the fast path's own rounding. The largest prefill
+# logit difference was under 1.0 on the Intel Xeons this suite ran on, and 1.04 on an AMD EPYC (Zen 4);
+# the greedy tokens agree on both.
+TP_LOGIT_TOLERANCE = 1.5
 MAX_TOKENS = 8
 
 
@@ -134,7 +139,7 @@ def test_smollm2_int4_copies_per_shard(tmp_path):
     runner = make_runner(model, TPGroup.single(), "auto", 256)
     ref_logits, ref_tokens = drive(runner, TPGroup.single(), prompt_ids, MAX_TOKENS)
     prefill = (got["logits"][0] - ref_logits[0]).abs().max().item()
-    assert prefill <= LOGIT_TOLERANCE, prefill
+    assert prefill <= TP_LOGIT_TOLERANCE, prefill
     assert [t[0] for t in got["tokens"]] == [t[0] for t in ref_tokens]
 
 
