@@ -108,12 +108,14 @@ inline __m512 load_scales(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-template <typename S>
-void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
-                const float* sx, int64_t rows, int64_t K, int64_t G, float* out, int64_t ldo) {
+// R (a compile-time count) input rows, so that their accumulators stay in registers; each row's
+// eight dot products of a group in two chains of four (a single chain waited on dpbusd's latency).
+template <int R, typename S>
+void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
+                      const float* sx, int64_t K, int64_t G, float* out, int64_t ldo) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[kRowTile];
-  for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = wp + g * 4 * 64;
     __m512i w[8];
@@ -123,15 +125,34 @@ void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, co
       w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
     const __m512 dv = load_scales(d + g * kLanes), mv = load_scales(mn + g * kLanes);
-    for (int64_t i = 0; i < rows; ++i) {
+    for (int i = 0; i < R; ++i) {
       const int8_t* xg = cx + i * K + g * kGroup;
-      __m512i s = _mm512_setzero_si512();
-      for (int h = 0; h < 8; ++h) s = _mm512_dpbusd_epi32(s, w[h], _mm512_set1_epi32(load_i32(xg + h * 4)));
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int h = 0; h < 4; ++h) {
+        s0 = _mm512_dpbusd_epi32(s0, w[h], _mm512_set1_epi32(load_i32(xg + h * 4)));
+        s1 = _mm512_dpbusd_epi32(s1, w[h + 4], _mm512_set1_epi32(load_i32(xg + (h + 4) * 4)));
+      }
+      const __m512i s = _mm512_add_epi32(s0, s1);
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(dx[i * G + g])), acc[i]);
       acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[i * G + g]), acc[i]);
     }
   }
-  for (int64_t i = 0; i < rows; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
+}
+
+template <typename S>
+void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
+                const float* sx, int64_t rows, int64_t K, int64_t G, float* out, int64_t ldo) {
+  switch (rows) {
+    case 1: return block_rows_fixed<1>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 2: return block_rows_fixed<2>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 3: return block_rows_fixed<3>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 4: return block_rows_fixed<4>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 5: return block_rows_fixed<5>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 6: return block_rows_fixed<6>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 7: return block_rows_fixed<7>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    default: return block_rows_fixed<8>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+  }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // R (a compile-time count) input rows, so that their accumulators stay in registers.
