@@ -30,10 +30,16 @@ class Point:
     """One measured point: `key` names it in the results, `requests` are sent after `warmup`."""
 
     key: str
-    concurrency: int
+    concurrency: int  # closed-loop clients; 0 for an open-loop point
     requests: list
     warmup: list
     prompt_range: tuple[int, int] | None = None
+    rate: float | None = None  # an open-loop point's Poisson arrivals, requests a second
+
+    @property
+    def load(self) -> str:
+        """The point's load in words: its C, or its arrival rate."""
+        return f"{self.rate:g}/s" if self.rate else str(self.concurrency)
 
 
 def ranges(specs: list[str], max_model_len: int, output_len: int) -> list[tuple[int, int]]:
@@ -52,9 +58,11 @@ def texts(dataset: str) -> tuple[str, list[str]]:
 
 
 def points(source: list[str], tokenizer, prompt_ranges: list[tuple[int, int]], concurrencies: list[int],
-           n_requests, n_warmup: int, output_len: int, seed: int = 0) -> list[Point]:
-    """Every (range, C) point's requests, each range its own seeded stream, each point its own part
-    of it; the warm-up requests of a range from another stream (`n_requests(c)`: requests at C)."""
+           n_requests, n_warmup: int, output_len: int, seed: int = 0, rates: list[float] = (),
+           n_rate_requests: int = 0) -> list[Point]:
+    """Every (range, C) point's requests, then every (range, rate) open-loop point's
+    (`n_rate_requests` each), each range its own seeded stream, each point its own part of it; the
+    warm-up requests of a range from another stream (`n_requests(c)`: requests at C)."""
     out = []
     for low, high in prompt_ranges:
         stream = long_prompts(source, tokenizer, random.Random(f"{seed}:long:{low}-{high}"), low, high, output_len)
@@ -64,11 +72,15 @@ def points(source: list[str], tokenizer, prompt_ranges: list[tuple[int, int]], c
         for c in concurrencies:
             reqs = [next(stream) for _ in range(n_requests(c))]
             out.append(Point(point_key((low, high), c), c, reqs, warmup, (low, high)))
+        for rate in rates:
+            reqs = [next(stream) for _ in range(n_rate_requests)]
+            out.append(Point(point_key((low, high), 0, rate), 0, reqs, warmup, (low, high), rate))
     return out
 
 
-def point_key(prompt_range: tuple[int, int], concurrency: int) -> str:
-    return f"{prompt_range[0]}-{prompt_range[1]} C={concurrency}"
+def point_key(prompt_range: tuple[int, int], concurrency: int, rate: float | None = None) -> str:
+    load = f"rate={rate:g}/s" if rate else f"C={concurrency}"
+    return f"{prompt_range[0]}-{prompt_range[1]} {load}"
 
 
 def _ratio(ours, theirs):
@@ -81,7 +93,7 @@ def _at(rec: dict, key: str, stat: str = "median", scale: float = 1.0):
 
 
 def table(servers: dict, plan: list[Point]) -> str:
-    headers = ["prompt tokens", "C", "server", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "out tok/s",
+    headers = ["prompt tokens", "C or rate", "server", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "out tok/s",
                "prefill tok/s", "pagedserve / this TTFT p50", "pagedserve / this TPOT p50",
                "pagedserve / this prefill tok/s", "failed"]
     rows = []
@@ -93,10 +105,10 @@ def table(servers: dict, plan: list[Point]) -> str:
             rec = s["points"].get(p.key)
             if s["unavailable"] or rec is None or "error" in rec:
                 why = s["unavailable"] or (rec or {}).get("error") or "not run"
-                rows.append([label, p.concurrency, name, f"unavailable: {why}", *[None] * (len(headers) - 4)])
+                rows.append([label, p.load, name, f"unavailable: {why}", *[None] * (len(headers) - 4)])
                 continue
             ttft, tpot, prefill = _at(rec, "ttft_s"), _at(rec, "tpot_s", scale=1000), _at(rec, "prefill_tok_s")
-            rows.append([label, p.concurrency, name, ttft, _at(rec, "ttft_s", "p99"), tpot, rec["output_tok_s"],
+            rows.append([label, p.load, name, ttft, _at(rec, "ttft_s", "p99"), tpot, rec["output_tok_s"],
                          prefill, _ratio(_at(ours, "ttft_s"), ttft), _ratio(_at(ours, "tpot_s", scale=1000), tpot),
                          _ratio(_at(ours, "prefill_tok_s"), prefill), rec["failed"]])
     return report.markdown_table(headers, rows)

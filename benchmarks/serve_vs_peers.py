@@ -37,7 +37,12 @@ A server that is missing or fails is reported in the table; the run goes on.
 
 `--workload long` (benchmarks/long_prompts.py) sends prompts of 1,536-2,048 and 6,144-8,192
 tokens (`--long-ranges`) of joined ShareGPT conversations, 128 output tokens, at C = 1 and 8, and
-prints TTFT, TPOT and prefill tok/s per server instead (no lean loop). Every server then takes
+prints TTFT, TPOT and prefill tok/s per server instead (no lean loop). `--rates R ...` adds open-loop
+points: `--rate-requests` requests at Poisson arrivals of R a second (seeded, the same times for every
+server), so that servers are compared under the same offered load: in a closed loop a faster server
+is sent its next prompts sooner, and queues longer for them. Their latencies are those of the
+requests after the first quarter of the arrivals (loadgen/steady.py's open-loop window), and
+the table says where a server's queue kept growing. Every server then takes
 prompt + output up to the model's context: vLLM `--max-model-len`, llama.cpp that many tokens of
 KV per slot, pagedserve its default (the model's context) and a KV pool of `--kv-cache-gib`
 like vLLM's (its 1 GiB default holds fewer than 8 such requests).
@@ -92,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="short: ShareGPT prompts <= --max-input-len; long: --long-ranges token prompts")
     p.add_argument("--long-ranges", nargs="+", default=list(long_prompts.DEFAULT_RANGES),
                    help="prompt token ranges of the long workload (LOW-HIGH)")
+    p.add_argument("--rates", type=float, nargs="+", default=[],
+                   help="long workload: open-loop points at these request rates (req/s), besides --concurrency")
+    p.add_argument("--rate-requests", type=int, default=24, help="requests per open-loop point")
     p.add_argument("--kv-cache-gib", type=float, default=4.0,
                    help="vLLM's KV cache; pagedserve's too in the long workload")
     p.add_argument("--tokenizer", default="smollm2")
@@ -128,6 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.concurrency = args.concurrency or ([1, 8] if long else [1, 16, 64, 128])
     args.warmup = (1 if long else 4) if args.warmup is None else args.warmup
     args.no_lean = args.no_lean or long
+    if args.rates and not long:
+        p.error("--rates: open-loop points are for --workload long")
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = set(args.targets) - set(TARGETS)
     if unknown or not args.targets:
@@ -181,11 +191,23 @@ def short_points(trace: Trace, args) -> list[Point]:
 
 def point(target: Target, plan: Point, args, tokenizer) -> dict:
     concurrency, n = plan.concurrency, len(plan.requests)
-    config = runner.LoadConfig(concurrency=concurrency, num_requests=n, duration=args.max_point_seconds,
+    load = dict(request_rate=plan.rate) if plan.rate else dict(concurrency=concurrency)
+    config = runner.LoadConfig(**load, num_requests=n, duration=args.max_point_seconds,
                                warmup=len(plan.warmup), progress=False, timeout=args.point_timeout,
                                deadline=args.point_timeout)
     outcome = runner.run(target, plan.requests, config, plan.warmup, tokenizer)
     whole = summarize(outcome.results, outcome.duration_s)
+    if plan.rate:
+        verdict = steady.open_loop(outcome.results, outcome.duration_s)
+        done = [r for r in verdict.measured if r.ok]
+        return {"rate": plan.rate, "requests": n, "sent": len(outcome.results), "completed": whole["completed"],
+                "failed": whole["failed"], "errors": whole["errors"], "short_outputs": whole["short_outputs"],
+                "output_tok_s": whole["output_throughput"], "open_loop": verdict.to_dict(),
+                "ttft_s": stats([r.ttft for r in done if r.ttft is not None]),
+                "tpot_s": stats([r.tpot for r in done if r.tpot is not None]),
+                "prompt_tokens": stats([r.prompt_len for r in done]),
+                "prefill_tok_s": stats([r.prompt_len / r.ttft for r in done if r.ttft]),
+                "duration_s": outcome.duration_s}
     window = steady.closed_loop(outcome.results, concurrency)
     done = [r for r in window.measured if r.ok]
     return {"concurrency": concurrency, "requests": n, "sent": len(outcome.results),
@@ -256,6 +278,11 @@ def logged_choices(log: Path) -> list[str]:
     return [m.group(1)[:200] for m in map(CHOICES.search, lines) if m]
 
 
+def runs_on(p: Point, concurrencies: tuple[int, ...], args) -> bool:
+    """Whether point p runs on the server started for `concurrencies` (open-loop points: the largest C's)."""
+    return max(args.concurrency) in concurrencies if p.rate else p.concurrency in concurrencies
+
+
 def serve(kind: str, args, plan: list[Point], tokenizer) -> dict:
     description, starts = configs(kind, args)
     out = {"config": description, "points": {}, "unavailable": unavailable(kind, args)}
@@ -271,7 +298,7 @@ def serve(kind: str, args, plan: list[Point], tokenizer) -> dict:
                 if kind == "pagedserve":
                     out["chosen"] = logged_choices(peer.log_path)
                 target = Target(name=kind, url=peer.url)
-                for p in (p for p in plan if p.concurrency in concurrencies):
+                for p in (p for p in plan if runs_on(p, concurrencies, args)):
                     began, c = time.monotonic(), p.key
                     label = f"C={c}" if c.isdigit() else c
                     try:
@@ -293,7 +320,7 @@ def serve(kind: str, args, plan: list[Point], tokenizer) -> dict:
                          f"({time.monotonic() - began:.0f} s)")
         except (RuntimeError, SystemExit, OSError, ValueError) as err:
             why = str(err).splitlines()[0][:200]
-            for p in (p for p in plan if p.concurrency in concurrencies):
+            for p in (p for p in plan if runs_on(p, concurrencies, args)):
                 out["points"].setdefault(p.key, {"concurrency": p.concurrency, "error": why})
             _log(f"{kind}: {why}")
     return out
@@ -375,11 +402,14 @@ def main(argv: list[str] | None = None) -> int:
         args.max_input_len = max(high for _, high in prompt_ranges)
         source, texts = long_prompts.texts(dataset(args))
         plan = long_prompts.points(texts, tokenizer, prompt_ranges, args.concurrency,
-                                   lambda c: point_requests(c, args), args.warmup, args.output_len)
+                                   lambda c: point_requests(c, args), args.warmup, args.output_len,
+                                   rates=args.rates, n_rate_requests=args.rate_requests)
         workload_line = (f"workload: {source} joined and cut to {', '.join(f'{a}-{b}' for a, b in prompt_ranges)} "
                          f"tokens (prompt + output within the model's {args.model_max_len}), {args.output_len} output "
                          f"tokens, greedy, ignore_eos, closed loop; per point max({args.min_requests}, {args.waves:g} x "
-                         f"C) requests after {args.warmup} warm-up, first wave of C dropped")
+                         f"C) requests after {args.warmup} warm-up, first wave of C dropped" + (
+                             f"; open loop at {', '.join(f'{r:g}' for r in args.rates)} req/s (Poisson, seeded), "
+                             f"{args.rate_requests} requests, first quarter of arrivals dropped" if args.rates else ""))
     else:
         spec = WorkloadSpec(dataset=dataset(args), seed=0, max_input_len=args.max_input_len,
                             max_output_len=args.output_len)

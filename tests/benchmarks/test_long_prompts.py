@@ -77,3 +77,36 @@ def test_prefill_ceiling_counts_attention_and_leaves_out_the_lm_head():
     # 2 x (1000 - 200) matmul FLOPs, plus 2 x 2 layers x 4 heads x 64 dims x 10 tokens of attention
     assert machine.prefill_ceiling(gemm, 200, Config, 10) == pytest.approx(100e9 / (1600 + 10240))
     assert machine.prefill_ceiling([], 200, Config, 10) is None
+
+
+def test_open_loop_points_get_their_own_prompts_and_run_on_the_largest_cs_server():
+    args = long_args("--rates", "0.25", "0.5", "--rate-requests", "3")
+    plan = long_prompts.points(texts(600), WordTokenizer(), [(60, 80)], [1, 4], lambda c: 2, 1, 128,
+                               rates=args.rates, n_rate_requests=args.rate_requests)
+    assert [p.key for p in plan] == ["60-80 C=1", "60-80 C=4", "60-80 rate=0.25/s", "60-80 rate=0.5/s"]
+    assert [p.load for p in plan] == ["1", "4", "0.25/s", "0.5/s"]
+    assert [len(p.requests) for p in plan] == [2, 2, 3, 3]
+    prompts = [r.prompt for p in plan for r in p.requests]
+    assert len(prompts) == len(set(prompts))
+    args.concurrency = [1, 4]
+    assert [serve_vs_peers.runs_on(p, (4,), args) for p in plan] == [False, True, True, True]
+    assert [serve_vs_peers.runs_on(p, (1,), args) for p in plan] == [True, False, False, False]
+    with pytest.raises(SystemExit):
+        serve_vs_peers.parse_args(["--rates", "0.5"])  # the short workload has no open-loop points
+
+
+def test_an_open_loop_point_sends_on_its_rate_and_judges_the_queue():
+    from loadgen.targets import Target
+    from tests.loadgen.fake_server import FakeConfig, FakeServer
+
+    args = long_args("--rates", "20", "--rate-requests", "24")
+    plan = long_prompts.points(texts(600), WordTokenizer(), [(20, 30)], [1], lambda c: 1, 0, 4,
+                               rates=args.rates, n_rate_requests=args.rate_requests)[-1]
+    with FakeServer(FakeConfig(ttft=0.03, itl=0.002)) as server:
+        rec = serve_vs_peers.point(Target(name="fake", url=server.url), plan, args, WordTokenizer())
+        arrived = sorted(server.arrivals)
+    assert rec["rate"] == 20 and rec["completed"] == 24 and rec["failed"] == 0
+    assert rec["open_loop"]["settled"] and rec["open_loop"]["measured_requests"] >= 12
+    assert rec["ttft_s"]["median"] == pytest.approx(0.03, abs=0.02)
+    # Poisson arrivals at 20/s: 23 gaps of mean 50 ms (~1.15 s), not a burst
+    assert 0.3 < arrived[-1] - arrived[0] < 3.0
