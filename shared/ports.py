@@ -7,6 +7,8 @@ between. Two things did, and both are kept out here:
 - another process of ours (a launcher, a pytest worker) picking the same port: each port handed
   out is recorded, under a file lock, in a ledger in the temp folder that every process on the
   host reads, and is not handed out again for `HOLD_S` seconds.
+Where the ephemeral range leaves no room below or above it, the kernel picks the port (bind to 0),
+as before: nothing keeps an outgoing connection off it there.
 """
 
 from __future__ import annotations
@@ -34,13 +36,21 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def candidate_range() -> tuple[int, int]:
+def candidate_range() -> tuple[int, int] | None:
     """The half-open range ports are drawn from: under the ephemeral range, or above it when too
-    little room is left below."""
+    little room is left below; None when the ephemeral range leaves no room on either side."""
     low, high = ephemeral_range()
     if low - LOWEST >= 2000:
         return LOWEST, low
-    return high + 1, 65536
+    if 65535 - high >= 2000:
+        return high + 1, 65536
+    return None
+
+
+def _os_assigned() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def bindable(port: int) -> bool:
@@ -74,7 +84,10 @@ def _ledger():
 
 
 def free_port() -> int:
-    low, high = candidate_range()
+    span = candidate_range()
+    if span is None:  # e.g. ip_local_port_range 1024-65535: only the kernel's own choice is left
+        return _os_assigned()
+    low, high = span
     try:
         with _ledger() as held:
             for _ in range(1000):

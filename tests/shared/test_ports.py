@@ -52,3 +52,13 @@ def test_expired_claims_are_released(tmp_path, monkeypatch):
         ports.free_port()  # claimed by the first call
     monkeypatch.setattr(ports, "HOLD_S", 0)
     assert ports.free_port() == 39999  # the first claim has expired
+
+
+def test_a_host_whose_ephemeral_range_covers_every_port_gets_the_kernels_choice(monkeypatch):
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (1024, 65535))
+    assert ports.candidate_range() is None
+    port = ports.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (10000, 40000))
+    assert ports.candidate_range() == (40001, 65536)
