@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 HOLD_S = 600  # longer than any stage takes to start and bind its ports
-LOWEST = 20000  # below the usual services' ports (databases, caches, dev servers)
+LOWEST = 20000  # above most fixed service ports; one that something listens on fails `bindable` anyway
 LEDGER = Path(tempfile.gettempdir()) / "pagedserve-ports.json"
 
 
