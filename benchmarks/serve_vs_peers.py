@@ -199,24 +199,20 @@ def point(target: Target, plan: Point, args, tokenizer) -> dict:
     whole = summarize(outcome.results, outcome.duration_s)
     if plan.rate:
         verdict = steady.open_loop(outcome.results, outcome.duration_s)
-        done = [r for r in verdict.measured if r.ok]
-        return {"rate": plan.rate, "requests": n, "sent": len(outcome.results), "completed": whole["completed"],
-                "failed": whole["failed"], "errors": whole["errors"], "short_outputs": whole["short_outputs"],
-                "output_tok_s": whole["output_throughput"], "open_loop": verdict.to_dict(),
-                "ttft_s": stats([r.ttft for r in done if r.ttft is not None]),
-                "tpot_s": stats([r.tpot for r in done if r.tpot is not None]),
-                "prompt_tokens": stats([r.prompt_len for r in done]),
-                "prefill_tok_s": stats([r.prompt_len / r.ttft for r in done if r.ttft]),
-                "duration_s": outcome.duration_s}
-    window = steady.closed_loop(outcome.results, concurrency)
-    done = [r for r in window.measured if r.ok]
-    return {"concurrency": concurrency, "requests": n, "sent": len(outcome.results),
+        measured = verdict.measured
+        shape = {"rate": plan.rate, "output_tok_s": whole["output_throughput"], "open_loop": verdict.to_dict()}
+    else:
+        window = steady.closed_loop(outcome.results, concurrency)
+        measured = window.measured
+        shape = {"concurrency": concurrency,
+                 # The whole run's rate (first wave and tail included) where the steady window is too short.
+                 "output_tok_s": window.output_throughput or whole["output_throughput"],
+                 "steady_window": window.output_throughput is not None,
+                 "output_tok_s_whole_run": whole["output_throughput"], "window_s": [window.start_s, window.end_s]}
+    done = [r for r in measured if r.ok]
+    return {**shape, "requests": n, "sent": len(outcome.results),
             "completed": whole["completed"], "failed": whole["failed"],
             "errors": whole["errors"], "short_outputs": whole["short_outputs"],
-            # The whole run's rate (first wave and tail included) where the steady window is too short.
-            "output_tok_s": window.output_throughput or whole["output_throughput"],
-            "steady_window": window.output_throughput is not None,
-            "output_tok_s_whole_run": whole["output_throughput"], "window_s": [window.start_s, window.end_s],
             "ttft_s": stats([r.ttft for r in done if r.ttft is not None]),
             "tpot_s": stats([r.tpot for r in done if r.tpot is not None]),
             "prompt_tokens": stats([r.prompt_len for r in done]),

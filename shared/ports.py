@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import os
 import random
 import socket
 import tempfile
@@ -65,39 +64,37 @@ def bindable(port: int) -> bool:
 @contextlib.contextmanager
 def _ledger():
     """The ports handed out in the last HOLD_S seconds (port -> time), locked while open."""
-    fd = os.open(LEDGER, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        with os.fdopen(os.dup(fd), "r+") as f:
-            try:
-                held = {int(p): t for p, t in json.loads(f.read() or "{}").items()}
-            except (ValueError, AttributeError):
-                held = {}
-            now = time.time()
-            held = {p: t for p, t in held.items() if now - t < HOLD_S}
-            yield held
-            f.seek(0)
-            f.truncate()
-            f.write(json.dumps(held))
-    finally:
-        os.close(fd)  # releases the lock
+    with open(LEDGER, "a+") as f:  # closing it releases the lock
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        try:
+            held = {int(p): t for p, t in json.loads(f.read() or "{}").items()}
+        except (ValueError, AttributeError):
+            held = {}
+        now = time.time()
+        held = {p: t for p, t in held.items() if now - t < HOLD_S}
+        yield held
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(held))
+
+
+def _draw(low: int, high: int, held: dict[int, float]) -> int:
+    """A bindable port of [low, high) not in `held`, recorded there."""
+    for _ in range(1000):
+        port = random.randrange(low, high)
+        if port not in held and bindable(port):
+            held[port] = time.time()
+            return port
+    raise RuntimeError(f"no free TCP port in {low}-{high - 1}")
 
 
 def free_port() -> int:
     span = candidate_range()
     if span is None:  # e.g. ip_local_port_range 1024-65535: only the kernel's own choice is left
         return _os_assigned()
-    low, high = span
     try:
         with _ledger() as held:
-            for _ in range(1000):
-                port = random.randrange(low, high)
-                if port not in held and bindable(port):
-                    held[port] = time.time()
-                    return port
+            return _draw(*span, held)
     except OSError:  # no writable temp folder: no ledger, the range still keeps the kernel out
-        for _ in range(1000):
-            port = random.randrange(low, high)
-            if bindable(port):
-                return port
-    raise RuntimeError(f"no free TCP port in {low}-{high - 1}")
+        return _draw(*span, {})
