@@ -128,11 +128,12 @@ def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int 
         return out
 
     def q4_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor, out: Tensor | None = None) -> Tensor:
-        """out: a float32 [rows, out_features] to write into instead of a new tensor."""
+        """x @ w.T in x's dtype (the kernel rounds its float32 sums once, as a float32 result's .to() would);
+        out: a float32 or x-typed [rows, out_features] to write into instead of a new tensor."""
         if out is None:
-            out = torch.empty(x.shape[0], d.shape[0] * d.shape[2], dtype=torch.float32)
+            out = torch.empty(x.shape[0], d.shape[0] * d.shape[2], dtype=x.dtype)
         kernels().q4_linear(out, x.contiguous(), packed, d, mn)
-        return out if x.dtype == torch.float32 else out.to(x.dtype)  # 120 calls a step: skip the no-op
+        return out
 
     return AttentionBackend(
         name="cpu",

@@ -229,6 +229,27 @@ def test_q4_linear_matches_reference(dtype, rows, shape):
     assert float((ref.float() - dense).norm() / dense.norm()) < 0.02
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=param_id)
+def test_q4_linear_writes_x_dtype_as_its_float32_result_rounded(dtype):
+    """A bfloat16/float16 out gets the float32 sums rounded once (as .to() would round them), and
+    more rows than one chunk of the kernel's row blocking (128 KB of int8 rows: 85 at K=1536)
+    give each row what it gets alone."""
+    n, k, rows = 64, 1536, 200
+    packed, d, m = reference.q4_pack(*q4_weight(n, k, 3))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5)).to(dtype)
+    full = torch.empty(rows, n)
+    ext.q4_linear(full, x, packed, d, m)
+    typed = torch.empty(rows, n, dtype=dtype)
+    ext.q4_linear(typed, x, packed, d, m)
+    assert torch.equal(typed, full.to(dtype))
+    for r in (0, 95, 199):
+        one = torch.empty(1, n)
+        ext.q4_linear(one, x[r:r + 1].contiguous(), packed, d, m)
+        assert torch.equal(one[0], full[r])
+    with pytest.raises(RuntimeError, match="out must be"):
+        ext.q4_linear(torch.empty(rows, n, dtype=torch.float64), x, packed, d, m)
+
+
 def test_q4_linear_rejects_bad_shapes():
     packed, d, m = reference.q4_pack(*q4_weight(16, 64, 0))
     with pytest.raises(RuntimeError, match="multiple of 32"):
