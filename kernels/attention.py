@@ -43,6 +43,8 @@ class AttentionBackend:
     row_invariant_paged_attention: Callable | None = None
     # packed Q4_1 weights (kernels.reference.q4_linear; may take out=, a float32 tensor to fill); None: not offered
     q4_linear: Callable | None = None
+    # the same for 8-bit codes (kernels.reference.q8_linear); None: not offered
+    q8_linear: Callable | None = None
 
 
 _BACKENDS: dict[str, AttentionBackend] = {

@@ -203,6 +203,22 @@ def q4_unpack(packed: Tensor, n: int, k: int) -> Tensor:
     return torch.stack([p & 0x0F, p >> 4], dim=3).reshape(n, k)
 
 
+def q8_pack(codes: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """8-bit codes [N, K] (0..255) with scale and min [N, K/32] in the CPU kernel's layout:
+    (packed uint8 [N*K], d and m as q4_pack's); within a group, chunk h (0..7) holds inputs h*4..h*4+3
+    of the block's 16 rows, 4 bytes a row."""
+    n, k = codes.shape
+    packed = codes.to(torch.uint8).view(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # block, group, h, lane, byte
+    d = scale.float().view(n // 16, 16, k // 32).transpose(1, 2)
+    m = low.float().view(n // 16, 16, k // 32).transpose(1, 2)
+    return packed.contiguous().view(-1), d.contiguous(), m.contiguous()
+
+
+def q8_unpack(packed: Tensor, n: int, k: int) -> Tensor:
+    """The codes [N, K] that `q8_pack` packed."""
+    return packed.view(n // 16, k // 32, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
+
+
 def quantize_rows_q8(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """x [M, K] per group of 32 as (int8 codes [M, K] as float, dx [M, K/32], dx * sum of codes [M, K/32])."""
     g = x.float().view(x.shape[0], -1, 32)
@@ -217,11 +233,24 @@ def q4_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor) -> Tensor:
     """x @ w.T in x's dtype for the packed Q4_1 weight w = d * c + m, with x quantized to int8 per
     group of 32 first (the CPU kernel's arithmetic: integer dot products per group, scaled once)."""
     blocks, groups, lanes = d.shape
-    n, k = blocks * lanes, groups * 32
-    c = q4_unpack(packed, n, k).double().view(n, groups, 32)
+    return _coded_linear(x, q4_unpack(packed, blocks * lanes, groups * 32), d, mn).to(x.dtype)
+
+
+def q8_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor, out: Tensor | None = None) -> Tensor:
+    """q4_linear for 8-bit codes (`q8_pack`); into out (float32, or x's dtype) when given."""
+    blocks, groups, lanes = d.shape
+    y = _coded_linear(x, q8_unpack(packed, blocks * lanes, groups * 32), d, mn)
+    return y.to(x.dtype) if out is None else out.copy_(y)
+
+
+def _coded_linear(x: Tensor, codes: Tensor, d: Tensor, mn: Tensor) -> Tensor:
+    """x @ (d * codes + m).T in float32, x quantized to int8 per group of 32 as the kernels do."""
+    blocks, groups, lanes = d.shape
+    n = blocks * lanes
+    c = codes.double().view(n, groups, 32)
     cx, dx, sx = quantize_rows_q8(x)
     dots = torch.einsum("ngk,mgk->mng", c, cx.double().view(x.shape[0], groups, 32))
     dn = d.double().transpose(1, 2).reshape(n, groups)
     mn_ = mn.double().transpose(1, 2).reshape(n, groups)
     y = (dots * dn[None] * dx.double()[:, None]).sum(-1) + (mn_[None] * sx.double()[:, None]).sum(-1)
-    return y.float().to(x.dtype)
+    return y.float()

@@ -135,6 +135,13 @@ def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int 
         kernels().q4_linear(out, x.contiguous(), packed, d, mn)
         return out
 
+    def q8_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor, out: Tensor | None = None) -> Tensor:
+        """x @ w.T for 8-bit codes (kernels.reference.q8_pack), as q4_linear."""
+        if out is None:
+            out = torch.empty(x.shape[0], d.shape[0] * d.shape[2], dtype=x.dtype)
+        kernels().q8_linear(out, x.contiguous(), packed, d, mn)
+        return out
+
     return AttentionBackend(
         name="cpu",
         write_kv_to_cache=reference.write_kv_to_cache,
@@ -148,6 +155,7 @@ def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int 
         rope_and_cache=rope_and_cache,
         int8_group_linear=int8_group_linear,
         q4_linear=q4_linear,
+        q8_linear=q8_linear,
     )
 
 

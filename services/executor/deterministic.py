@@ -12,8 +12,8 @@ kernel by the step's row count M:
 
 The mode fixes one path per linear, the same for every row count:
 
-- a decoder linear or head whose quantized copy runs by the C++ `q4_linear` (`Q4Weight`,
-  `Q8Weight`) keeps that copy for every step: it quantizes each input row on its own and
+- a decoder linear or head whose quantized copy runs by the C++ `q4_linear` or `q8_linear`
+  (`Q4Weight`, `Q8Weight`) keeps that copy for every step: it quantizes each input row on its own and
   sums each output over its groups in one fixed order, split over threads by output columns
   only, so a row's result depends on nothing else (nor on the thread count);
 - every other linear (no quantized copy, or torch's int4/int8 kernels, whose blocking is
@@ -74,7 +74,7 @@ def make_batch_invariant(model, tile: int = TILE_ROWS) -> list[str]:
              f"{tiled} dense in tiles of {tile} rows"]
     if type(model.head_int8) is Q8Weight:
         model.head_int8.max_rows = ALL_ROWS
-        lines.append("deterministic: the head on its int8 (q4_linear) copy for every step")
+        lines.append("deterministic: the head on its int8 (q8_linear) copy for every step")
     else:
         model.head_int8, model.head_tile_rows = None, tile
         lines.append(f"deterministic: the head dense in tiles of {tile} rows")

@@ -14,10 +14,10 @@ dense weight and a quantized copy, and each call picks by its number of rows
   `_weight_int4pack_mm_for_cpu` (`Int4Weight`: bfloat16 activations; the per-group
   scale and zero rounded to bfloat16, which that kernel takes).
 - The output head (the tied embedding, 49152 x 576 in SmolLM2): int8 with a float32
-  scale per group of 32, GGUF's Q8_0. With `q4_linear` it runs as two 4-bit planes
-  (`Q8Weight`: code + 128 = 16 * high + low, each plane a Q4_1 weight for that kernel, so
-  its dot products are integer ones too: 1.6-2.2x faster than `int8_group_linear` for
-  1-64 rows on an AVX2 host); else by the C++ backend's `int8_group_linear` (`Int8Weight`,
+  scale per group of 32, GGUF's Q8_0. With the C++ backend it runs by `q8_linear`
+  (`Q8Weight`: the codes + 128 as bytes, w = s * byte - 128 s, q4_linear's integer
+  arithmetic with a byte a code; it replaced two 4-bit planes through q4_linear, which
+  did every product twice); else by the C++ backend's `int8_group_linear` (`Int8Weight`,
   float32 activations).
 
 A checkpoint converted from a GGUF (the default model) holds dequantized Q4_1/Q8_0
@@ -113,24 +113,28 @@ class Int8Weight:
 
 @dataclass
 class Q8Weight:
-    """Q8_0 weight [out, in] (w = s * c, c in -127..127) as two Q4_1 planes for `q4_linear`:
-    c + 128 = 16 * high + low with high and low in 0..15, so w = (16 s) * high - 128 s + s * low,
-    and x @ w.T is the sum of the two planes' products."""
+    """Q8_0 weight [out, in] (w = s * c, c in -127..127) as 8-bit codes c + 128 for `q8_linear`
+    (kernels.reference.q8_pack): w = s * (c + 128) - 128 s, Q4Weight's arithmetic with a byte a code.
+    `op` is the backend's `q8_linear`; its results are float32 (logits), rounded once."""
 
-    high: Q4Weight
-    low: Q4Weight
+    packed: Tensor
+    d: Tensor
+    m: Tensor
+    out_features: int
+    op: Callable[..., Tensor]
     max_rows: int = 0
 
     def matmul(self, x: Tensor) -> Tensor:
-        return self.high.matmul(x).add_(self.low.matmul(x))
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        return self.op(x, self.packed, self.d, self.m, out)
 
     @property
     def in_features(self) -> int:
-        return self.high.d.shape[1] * GROUP_SIZE
+        return self.d.shape[1] * GROUP_SIZE
 
     @property
     def nbytes(self) -> int:
-        return self.high.nbytes + self.low.nbytes
+        return self.packed.nbytes + self.d.nbytes + self.m.nbytes
 
 
 def supported(device: torch.device | str) -> bool:
@@ -169,17 +173,12 @@ def quantize_int8(weight: Tensor, op: Callable[[Tensor, Tensor, Tensor], Tensor]
     return Int8Weight(codes.to(torch.int8).flatten(1).contiguous(), scale.squeeze(-1).contiguous(), op)
 
 
-def quantize_q8(weight: Tensor, op: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Q8Weight:
-    """The weight's Q8_0 blocks as the two planes of a Q8Weight (a Q8_0-valued tensor round-trips exactly)."""
+def quantize_q8(weight: Tensor, op: Callable[..., Tensor]) -> Q8Weight:
+    """The weight's Q8_0 blocks as a Q8Weight (a Q8_0-valued tensor round-trips exactly)."""
     codes, scale = q8_0_codes(weight)
-    shifted = (codes + 128).to(torch.int64).view(weight.shape)
     scale = scale.squeeze(-1)
-    high_packed, high_d, high_m = reference.q4_pack(shifted >> 4, 16 * scale, -128 * scale)
-    low_packed, low_d, low_m = reference.q4_pack(shifted & 15, scale, torch.zeros_like(scale))
-    # both planes' scales in one dtype: float16 only if every one of them fits
-    d, m = compact_scales(torch.stack([high_d, low_d]), torch.stack([high_m, low_m]))
-    return Q8Weight(Q4Weight(high_packed, d[0], m[0], weight.shape[0], op),
-                    Q4Weight(low_packed, d[1], m[1], weight.shape[0], op))
+    packed, d, m = reference.q8_pack((codes + 128).to(torch.int64).view(weight.shape), scale, -128 * scale)
+    return Q8Weight(packed, *compact_scales(d, m), weight.shape[0], op)
 
 
 def quantizable(weight: Tensor) -> bool:
@@ -331,8 +330,8 @@ def int8_head_copy(model, mode: str, device: torch.device | str) -> tuple[Int8We
     if mode == "auto" and not on_8bit_grid(weight):
         return None, "the checkpoint's head is not 8-bit; kept dense"
     why = "already 8-bit (Q8_0 groups of 32): int8 loses nothing" if mode == "auto" else "asked for int4"
-    if model.backend.q4_linear is not None:
-        return quantize_q8(weight, model.backend.q4_linear), why + "; run as two 4-bit planes by q4_linear"
+    if model.backend.q8_linear is not None:
+        return quantize_q8(weight, model.backend.q8_linear), why + "; run by the C++ q8_linear kernel"
     return quantize_int8(weight, model.backend.int8_group_linear), why
 
 

@@ -121,24 +121,42 @@ def test_q8_0_values_round_trip_exactly():
     assert torch.allclose(int8.matmul(x), x @ w.t(), rtol=1e-5, atol=1e-5)
 
 
-def test_q8_0_as_two_4bit_planes_is_the_same_weight():
+def test_q8_0_as_8bit_codes_is_the_same_weight():
     w = q8_0_values(64, 128)
-    q8 = q.quantize_q8(w, reference.q4_linear)
-    for plane in (q8.high, q8.low):
-        codes = reference.q4_unpack(plane.packed, 64, 128)
-        assert int(codes.max()) <= 15
-    high = reference.q4_unpack(q8.high.packed, 64, 128).float()
-    low = reference.q4_unpack(q8.low.packed, 64, 128).float()
-    d_hi = q8.high.d.transpose(1, 2).reshape(64, 4).repeat_interleave(32, dim=1)
-    m_hi = q8.high.m.transpose(1, 2).reshape(64, 4).repeat_interleave(32, dim=1)
-    d_lo = q8.low.d.transpose(1, 2).reshape(64, 4).repeat_interleave(32, dim=1)
-    assert torch.equal(d_hi * high + m_hi + d_lo * low, w)  # the planes hold the file's values exactly
-    assert q8.high.d.dtype == q8.low.m.dtype == torch.float16  # the file's scales fit float16
-    assert q8.in_features == 128 and q8.nbytes == 2 * (64 * 128 // 2 + 2 * 64 * 4 * 2)
-    x = torch.randn(5, 128)
-    ref = x @ w.t()
+    q8 = q.quantize_q8(w, reference.q8_linear)
+    codes = reference.q8_unpack(q8.packed, 64, 128).float()
+    assert int(codes.min()) >= 1 and int(codes.max()) <= 255  # c + 128 for c in -127..127
+    d = q8.d.transpose(1, 2).reshape(64, 4).repeat_interleave(32, dim=1)
+    m = q8.m.transpose(1, 2).reshape(64, 4).repeat_interleave(32, dim=1)
+    assert torch.equal(d * codes + m, w)  # the codes hold the file's values exactly
+    assert q8.d.dtype == q8.m.dtype == torch.float16  # the file's scales fit float16
+    assert q8.in_features == 128 and q8.nbytes == 64 * 128 + 2 * 64 * 4 * 2
+    x = torch.randn(5, 128).bfloat16()
+    ref = x.float() @ w.t()
+    y = q8.matmul(x)
+    assert y.dtype == torch.float32  # logits, rounded once
     # the input rows are quantized to int8 per group of 32, as for Q4 weights
-    assert (q8.matmul(x) - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert (y - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 37])
+def test_q8_linear_kernel_matches_its_reference(rows):
+    ext = load_cpu_kernels()
+    if ext is None:
+        pytest.skip("the C++ CPU kernels did not build")
+    w = q8_0_values(64, 1536)
+    q8 = q.quantize_q8(w, reference.q8_linear)
+    x = torch.randn(rows, 1536).bfloat16()
+    want = reference.q8_linear(x, q8.packed, q8.d, q8.m, torch.empty(rows, 64))
+    got = torch.empty(rows, 64)
+    ext.q8_linear(got, x, q8.packed, q8.d, q8.m)
+    # the reference sums in float64, and torch's 127 / amax can differ from the kernel's in the last
+    # bit, so that an input x * 127 / amax within an ulp of a half rounds to the other code: one such
+    # input moves an output by up to 255 * scale * dx (~4e-4 of the largest here)
+    assert torch.allclose(got, want, rtol=1e-5, atol=2e-3 * float(want.abs().max()))
+    typed = torch.empty(rows, 64, dtype=torch.bfloat16)
+    ext.q8_linear(typed, x, q8.packed, q8.d, q8.m)
+    assert torch.equal(typed, got.to(torch.bfloat16))
 
 
 def _q4_1_checkpoint(src, dst):
@@ -183,7 +201,7 @@ def test_the_head_uses_its_int8_copy_only_up_to_max_rows(tiny_model_dir, tmp_pat
     with torch.no_grad():
         small, large = model.logits(x[:2]), model.logits(x)
     assert calls == [2]  # the 4-row call went to the dense head
-    # Q8_0 values: the same head (within the int8 input rounding where q4_linear runs it as two planes)
+    # Q8_0 values: the same head (within the int8 input rounding where q8_linear runs it)
     tol = 1e-4 if isinstance(head, q.Int8Weight) else 0.02 * float(dense.abs().max())
     assert torch.allclose(small, dense[:2], rtol=1e-4, atol=tol)
     assert torch.equal(large, dense)

@@ -135,7 +135,7 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* x) {
 
 // R (a compile-time count) input rows, so that their accumulators stay in registers; each row's
 // eight dot products of a group in two chains of four (a single chain waited on dpbusd's latency).
-template <int R, typename S, typename T>
+template <int Bits, int R, typename S, typename T>
 void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
                       const float* sx, int64_t K, int64_t G, T* out, int64_t ldo) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -143,13 +143,18 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wg = wp + g * 4 * 64;
+    const uint8_t* wg = wp + g * Bits * 64;
     __m512i w[8];
 #pragma GCC unroll 4
     for (int h = 0; h < 4; ++h) {
-      const __m512i v = _mm512_loadu_si512(wg + h * 64);
-      w[h] = _mm512_and_si512(v, low4);
-      w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      if constexpr (Bits == 8) {
+        w[h] = _mm512_loadu_si512(wg + h * 64);
+        w[h + 4] = _mm512_loadu_si512(wg + (h + 4) * 64);
+      } else {
+        const __m512i v = _mm512_loadu_si512(wg + h * 64);
+        w[h] = _mm512_and_si512(v, low4);
+        w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
     }
     const __m512 dv = load_scales(d + g * kLanes), mv = load_scales(mn + g * kLanes);
 #pragma GCC unroll 8
@@ -170,18 +175,18 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
   for (int i = 0; i < R; ++i) store16(out + i * ldo, acc[i]);
 }
 
-template <typename S, typename T>
+template <int Bits, typename S, typename T>
 void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
                 const float* sx, int64_t rows, int64_t K, int64_t G, T* out, int64_t ldo) {
   switch (rows) {
-    case 1: return block_rows_fixed<1>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
-    case 2: return block_rows_fixed<2>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
-    case 3: return block_rows_fixed<3>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
-    case 4: return block_rows_fixed<4>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
-    case 5: return block_rows_fixed<5>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
-    case 6: return block_rows_fixed<6>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
-    case 7: return block_rows_fixed<7>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
-    default: return block_rows_fixed<8>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 1: return block_rows_fixed<Bits, 1>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 2: return block_rows_fixed<Bits, 2>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 3: return block_rows_fixed<Bits, 3>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 4: return block_rows_fixed<Bits, 4>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 5: return block_rows_fixed<Bits, 5>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 6: return block_rows_fixed<Bits, 6>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 7: return block_rows_fixed<Bits, 7>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    default: return block_rows_fixed<Bits, 8>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -191,7 +196,9 @@ inline __m256 load_scales(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-template <int R, typename S, typename T>
+// 8-bit codes are split into their nibbles here: maddubs sums two u8 x s8 products in int16, which
+// 255 * 127 * 2 overflows.
+template <int Bits, int R, typename S, typename T>
 void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
                       const float* sx, int64_t K, int64_t G, T* out, int64_t ldo) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -199,12 +206,22 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* wg = wp + g * 4 * 64 + half * 32;
-      __m256i w[8];
+      const uint8_t* wg = wp + g * Bits * 64 + half * 32;
+      // 4-bit: the codes of inputs h*4.. (h < 4: low nibbles, else high); 8-bit: their low nibbles,
+      // and in hi their high ones
+      __m256i w[8], hi[Bits == 8 ? 8 : 1];
       for (int h = 0; h < 4; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + h * 64));
-        w[h] = _mm256_and_si256(v, low4);
-        w[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if constexpr (Bits == 8) {
+          for (int j = 0; j < 2; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (h + 4 * j) * 64));
+            w[h + 4 * j] = _mm256_and_si256(v, low4);
+            hi[h + 4 * j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          }
+        } else {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + h * 64));
+          w[h] = _mm256_and_si256(v, low4);
+          w[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
       }
       const __m256 dv = load_scales(d + g * kLanes + half * 8);
       const __m256 mv = load_scales(mn + g * kLanes + half * 8);
@@ -214,7 +231,13 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
         __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load_i32(xg)));
         for (int h = 1; h < 8; ++h)
           s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[h], _mm256_set1_epi32(load_i32(xg + h * 4))));
-        const __m256i s = _mm256_madd_epi16(s16, ones);
+        __m256i s = _mm256_madd_epi16(s16, ones);
+        if constexpr (Bits == 8) {
+          __m256i h16 = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(load_i32(xg)));
+          for (int h = 1; h < 8; ++h)
+            h16 = _mm256_add_epi16(h16, _mm256_maddubs_epi16(hi[h], _mm256_set1_epi32(load_i32(xg + h * 4))));
+          s = _mm256_add_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(h16, ones), 4));
+        }
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * G + g])), acc[i]);
         acc[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[i * G + g]), acc[i]);
       }
@@ -229,36 +252,40 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
 
 // Tiles of 4 rows: with 8, the 16 AVX2 registers cannot hold the weights and accumulators and the
 // compiler spills (single thread, SmolLM2 shapes: 4 rows per tile 5-23% faster than 8 at 1-64 rows).
-template <typename S, typename T>
+template <int Bits, typename S, typename T>
 void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
                 const float* sx, int64_t rows, int64_t K, int64_t G, T* out, int64_t ldo) {
   int64_t i = 0;
   for (; i + 4 <= rows; i += 4)
-    block_rows_fixed<4>(wp, d, mn, cx + i * K, dx + i * G, sx + i * G, K, G, out + i * ldo, ldo);
+    block_rows_fixed<Bits, 4>(wp, d, mn, cx + i * K, dx + i * G, sx + i * G, K, G, out + i * ldo, ldo);
   const int8_t* c = cx + i * K;
   T* o = out + i * ldo;
   switch (rows - i) {
-    case 1: block_rows_fixed<1>(wp, d, mn, c, dx + i * G, sx + i * G, K, G, o, ldo); break;
-    case 2: block_rows_fixed<2>(wp, d, mn, c, dx + i * G, sx + i * G, K, G, o, ldo); break;
-    case 3: block_rows_fixed<3>(wp, d, mn, c, dx + i * G, sx + i * G, K, G, o, ldo); break;
+    case 1: block_rows_fixed<Bits, 1>(wp, d, mn, c, dx + i * G, sx + i * G, K, G, o, ldo); break;
+    case 2: block_rows_fixed<Bits, 2>(wp, d, mn, c, dx + i * G, sx + i * G, K, G, o, ldo); break;
+    case 3: block_rows_fixed<Bits, 3>(wp, d, mn, c, dx + i * G, sx + i * G, K, G, o, ldo); break;
     default: break;
   }
 }
 #else
-template <typename S, typename T>
+template <int Bits, typename S, typename T>
 void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
                 const float* sx, int64_t rows, int64_t K, int64_t G, T* out, int64_t ldo) {
   for (int64_t i = 0; i < rows; ++i) {
     float acc[kLanes] = {};
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* wg = wp + g * 4 * 64;
+      const uint8_t* wg = wp + g * Bits * 64;
       const int8_t* xg = cx + i * K + g * kGroup;
       for (int64_t lane = 0; lane < kLanes; ++lane) {
         int32_t s = 0;
         for (int h = 0; h < 4; ++h)
           for (int b = 0; b < 4; ++b) {
-            const uint8_t byte = wg[h * 64 + lane * 4 + b];
-            s += (byte & 0x0F) * xg[h * 4 + b] + (byte >> 4) * xg[(h + 4) * 4 + b];
+            if constexpr (Bits == 8) {
+              s += wg[h * 64 + lane * 4 + b] * xg[h * 4 + b] + wg[(h + 4) * 64 + lane * 4 + b] * xg[(h + 4) * 4 + b];
+            } else {
+              const uint8_t byte = wg[h * 64 + lane * 4 + b];
+              s += (byte & 0x0F) * xg[h * 4 + b] + (byte >> 4) * xg[(h + 4) * 4 + b];
+            }
           }
         acc[lane] += static_cast<float>(s) * (scale_at(d, g * kLanes + lane) * dx[i * G + g]) +
                      scale_at(mn, g * kLanes + lane) * sx[i * G + g];
@@ -269,29 +296,26 @@ void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, co
 }
 #endif
 
-}  // namespace
-
-// out [M, N] (float32, or x's dtype) = x [M, K] @ w.T for the packed Q4_1 weight w [N, K], N a
-// multiple of 16.
-void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
-               const at::Tensor& mn) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "q4_linear: x must be [M, K], contiguous");
+template <int Bits>
+void coded_linear(const char* name, at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                  const at::Tensor& d, const at::Tensor& mn) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be [M, K], contiguous");
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0, "q4_linear: K must be a multiple of ", kGroup);
+  TORCH_CHECK(K % kGroup == 0, name, ": K must be a multiple of ", kGroup);
   TORCH_CHECK(d.dim() == 3 && d.size(1) == G && d.size(2) == kLanes &&
                   (d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf) && d.is_contiguous() &&
                   mn.sizes() == d.sizes() && mn.scalar_type() == d.scalar_type() && mn.is_contiguous(),
-              "q4_linear: d and m must be float32 or float16 [N / 16, K / 32, 16], contiguous, of one dtype");
+              name, ": d and m must be float32 or float16 [N / 16, K / 32, 16], contiguous, of one dtype");
   const int64_t blocks = d.size(0), N = blocks * kLanes;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == N * K / 2,
-              "q4_linear: packed must be uint8 with N * K / 2 bytes, contiguous");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == N * K * Bits / 8,
+              name, ": packed must be uint8 with N * K * ", Bits, " / 8 bytes, contiguous");
   TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == x.scalar_type()) && out.dim() == 2 &&
                   out.size(0) == M && out.size(1) == N && out.is_contiguous(),
-              "q4_linear: out must be float32 or x's dtype, [M, N], contiguous");
+              name, ": out must be float32 or x's dtype, [M, N], contiguous");
   // uninitialised: every byte is written before it is read
   std::unique_ptr<int8_t[]> cx(new int8_t[M * K]);
   std::unique_ptr<float[]> dx(new float[M * G]), sx(new float[M * G]);
-  dispatch_float_types(x.scalar_type(), "q4_linear", [&](auto tag) {
+  dispatch_float_types(x.scalar_type(), name, [&](auto tag) {
     using scalar_t = decltype(tag);
     quantize_rows(x.data_ptr<scalar_t>(), M, K, cx.get(), dx.get(), sx.get(), at::get_num_threads());
   });
@@ -311,7 +335,7 @@ void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
         for (int64_t b = b0; b < b1; ++b) {
           for (int64_t m0 = c0; m0 < c1; m0 += kRowTile) {
             const int64_t rows = std::min(kRowTile, c1 - m0);
-            block_rows(wp + b * G * 4 * 64, dp + b * G * kLanes, mp + b * G * kLanes, cx.get() + m0 * K,
+            block_rows<Bits>(wp + b * G * Bits * 64, dp + b * G * kLanes, mp + b * G * kLanes, cx.get() + m0 * K,
                        dx.get() + m0 * G, sx.get() + m0 * G, rows, K, G, op + m0 * N + b * kLanes, N);
           }
         }
@@ -320,7 +344,7 @@ void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
   };
   auto with_out = [&](const auto* dp, const auto* mp) {
     if (out.scalar_type() == at::kFloat) return run(dp, mp, out.data_ptr<float>());
-    dispatch_float_types(out.scalar_type(), "q4_linear", [&](auto tag) {
+    dispatch_float_types(out.scalar_type(), name, [&](auto tag) {
       using out_t = decltype(tag);
       run(dp, mp, out.data_ptr<out_t>());
     });
@@ -330,6 +354,22 @@ void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
     with_out(d.data_ptr<c10::Half>(), mn.data_ptr<c10::Half>());
   else
     with_out(d.data_ptr<float>(), mn.data_ptr<float>());
+}
+
+}  // namespace
+
+// out [M, N] (float32, or x's dtype) = x [M, K] @ w.T for the packed Q4_1 weight w [N, K], N a
+// multiple of 16.
+void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+               const at::Tensor& mn) {
+  coded_linear<4>("q4_linear", out, x, packed, d, mn);
+}
+
+// The same for 8-bit codes 0..255 (kernels/reference.py's q8_pack): GGUF's Q8_0 (w = s * c, c in
+// -127..127) is d = s, m = -128 s on the codes c + 128.
+void q8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+               const at::Tensor& mn) {
+  coded_linear<8>("q8_linear", out, x, packed, d, mn);
 }
 
 }  // namespace pagedserve
