@@ -250,6 +250,29 @@ def test_q4_linear_writes_x_dtype_as_its_float32_result_rounded(dtype):
         ext.q4_linear(torch.empty(rows, n, dtype=torch.float64), x, packed, d, m)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 8, 13])
+def test_q8_linear_matches_reference(rows):
+    """8-bit codes 0..255 (the head's Q8_0 + 128): products up to 255 * 127 that AVX2's maddubs
+    pair sums could not hold, so its path splits the codes into nibbles."""
+    n, k = 48, 576
+    g = torch.Generator().manual_seed(rows)
+    codes = torch.randint(0, 256, (n, k), generator=g)
+    codes[:, :32] = 255
+    scale = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4
+    packed, d, m = reference.q8_pack(codes, scale, -128 * scale)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(9))
+    x[:, :32] = x[:, :32].abs() + 1  # every product of the first group at its largest
+    got = torch.empty(rows, n)
+    ext.q8_linear(got, x, packed, d, m)
+    want = reference.q8_linear(x, packed, d, m, torch.empty(rows, n))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    typed = torch.empty(rows, n, dtype=torch.bfloat16)
+    ext.q8_linear(typed, x.bfloat16(), packed, d, m)
+    full = torch.empty(rows, n)
+    ext.q8_linear(full, x.bfloat16(), packed, d, m)
+    assert torch.equal(typed, full.to(torch.bfloat16))
+
+
 def test_q4_linear_rejects_bad_shapes():
     packed, d, m = reference.q4_pack(*q4_weight(16, 64, 0))
     with pytest.raises(RuntimeError, match="multiple of 32"):
