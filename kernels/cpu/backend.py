@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -127,20 +128,16 @@ def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int 
         kernels().int8_group_linear(out, x.contiguous(), qweight, scales)
         return out
 
-    def q4_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor, out: Tensor | None = None) -> Tensor:
-        """x @ w.T in x's dtype (the kernel rounds its float32 sums once, as a float32 result's .to() would);
-        out: a float32 or x-typed [rows, out_features] to write into instead of a new tensor."""
-        if out is None:
-            out = torch.empty(x.shape[0], d.shape[0] * d.shape[2], dtype=x.dtype)
-        kernels().q4_linear(out, x.contiguous(), packed, d, mn)
-        return out
+    def coded_linear(name: str) -> Callable[..., Tensor]:
+        def linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor, out: Tensor | None = None) -> Tensor:
+            """x @ w.T in x's dtype (the kernel rounds its float32 sums once, as a float32 result's .to() would);
+            out: a float32 or x-typed [rows, out_features] to write into instead of a new tensor."""
+            if out is None:
+                out = torch.empty(x.shape[0], d.shape[0] * d.shape[2], dtype=x.dtype)
+            getattr(kernels(), name)(out, x.contiguous(), packed, d, mn)
+            return out
 
-    def q8_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor, out: Tensor | None = None) -> Tensor:
-        """x @ w.T for 8-bit codes (kernels.reference.q8_pack), as q4_linear."""
-        if out is None:
-            out = torch.empty(x.shape[0], d.shape[0] * d.shape[2], dtype=x.dtype)
-        kernels().q8_linear(out, x.contiguous(), packed, d, mn)
-        return out
+        return linear
 
     return AttentionBackend(
         name="cpu",
@@ -154,8 +151,8 @@ def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int 
         silu_and_mul=silu_and_mul,
         rope_and_cache=rope_and_cache,
         int8_group_linear=int8_group_linear,
-        q4_linear=q4_linear,
-        q8_linear=q8_linear,
+        q4_linear=coded_linear("q4_linear"),  # Q4_1 codes (kernels.reference.q4_pack)
+        q8_linear=coded_linear("q8_linear"),  # 8-bit codes (kernels.reference.q8_pack)
     )
 
 

@@ -112,29 +112,17 @@ class Int8Weight:
 
 
 @dataclass
-class Q8Weight:
+class Q8Weight(Q4Weight):
     """Q8_0 weight [out, in] (w = s * c, c in -127..127) as 8-bit codes c + 128 for `q8_linear`
     (kernels.reference.q8_pack): w = s * (c + 128) - 128 s, Q4Weight's arithmetic with a byte a code.
     `op` is the backend's `q8_linear`; its results are float32 (logits), rounded once."""
 
-    packed: Tensor
-    d: Tensor
-    m: Tensor
-    out_features: int
-    op: Callable[..., Tensor]
-    max_rows: int = 0
-
     def matmul(self, x: Tensor) -> Tensor:
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
-        return self.op(x, self.packed, self.d, self.m, out)
+        return super().matmul(x, torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device))
 
     @property
     def in_features(self) -> int:
         return self.d.shape[1] * GROUP_SIZE
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.nbytes + self.d.nbytes + self.m.nbytes
 
 
 def supported(device: torch.device | str) -> bool:

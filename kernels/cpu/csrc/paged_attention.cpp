@@ -187,23 +187,20 @@ void run_item_portable(const WorkItem& w, Scratch& s, const T* query, int64_t q_
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 // Fetches a block's rows (D elements each, token_stride apart) into the cache: blocks sit anywhere in
-// the pool, so the hardware prefetchers cannot guess the next one.
-template <typename C>
+// the pool, so the hardware prefetchers cannot guess the next one. kL2: into L2 only (prefetcht2),
+// where many more fetches can be in flight than into L1.
+template <bool kL2 = false, typename C>
 inline void prefetch_block(const C* cache, int64_t base, int64_t block_size, int64_t token_stride, int64_t D) {
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
   for (int64_t j = 0; j < block_size; ++j)
-    for (int64_t off = 0; off < row_bytes; off += 64)
+    for (int64_t off = 0; off < row_bytes; off += 64) {
+      const char* line = reinterpret_cast<const char*>(cache + base + j * token_stride) + off;
       // asm volatile: GCC 12 dropped _mm_prefetch calls from this loop once inlined
-      asm volatile("prefetcht0 %0" : : "m"(*(reinterpret_cast<const char*>(cache + base + j * token_stride) + off)));
-}
-
-// prefetch_block into L2 only (prefetcht2): many more such fetches can be in flight than into L1.
-template <typename C>
-inline void prefetch_block_l2(const C* cache, int64_t base, int64_t block_size, int64_t token_stride, int64_t D) {
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
-  for (int64_t j = 0; j < block_size; ++j)
-    for (int64_t off = 0; off < row_bytes; off += 64)
-      asm volatile("prefetcht2 %0" : : "m"(*(reinterpret_cast<const char*>(cache + base + j * token_stride) + off)));
+      if constexpr (kL2)
+        asm volatile("prefetcht2 %0" : : "m"(*line));
+      else
+        asm volatile("prefetcht0 %0" : : "m"(*line));
+    }
 }
 
 // One online-softmax update of row r (as softmax_update), with the exponentials kWidth lanes at a
@@ -268,8 +265,8 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
   constexpr int64_t kL2Ahead = 32;
   auto fetch_l2 = [&](int64_t b) {
     const int64_t at = table[b] * BS * token_stride + w.kv_head * D;
-    prefetch_block_l2(k_cache, at, BS, token_stride, D);
-    prefetch_block_l2(v_cache, at, BS, token_stride, D);
+    prefetch_block<true>(k_cache, at, BS, token_stride, D);
+    prefetch_block<true>(v_cache, at, BS, token_stride, D);
   };
   for (int64_t b = lowest_pos / BS; b < lowest_pos / BS + kL2Ahead && b <= last_pos / BS; ++b) fetch_l2(b);
   for (int64_t b = lowest_pos / BS; b <= last_pos / BS; ++b) {
@@ -488,7 +485,7 @@ void run_item_two_pass(const WorkItem& w, Scratch& s, const T* query, int64_t q_
     return scores16<CH>(&s.q[r * D], keys);
   };
 
-  auto fetch_l2 = [&](const C* cache, int64_t b) { prefetch_block_l2(cache, block_base(b), BS, token_stride, D); };
+  auto fetch_l2 = [&](const C* cache, int64_t b) { prefetch_block<true>(cache, block_base(b), BS, token_stride, D); };
   for (int64_t a = b0; a < b0 + kL2Ahead && a <= b1; ++a) {
     fetch_l2(k_cache, a);
     fetch_l2(v_cache, a);

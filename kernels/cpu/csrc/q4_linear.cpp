@@ -108,17 +108,16 @@ inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_scales(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-// rounded to nearest even with NaN kept quiet, as float_to_bf16_bits and torch's own conversion
-inline void store16(c10::BFloat16* p, __m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-  r = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-}
-inline void store16(c10::Half* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+// 16 float32 sums into out in its dtype (rounded as torch's .to() rounds)
+template <typename T>
+inline void store16(T* p, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(p, v);
+  } else {
+    alignas(64) float tmp[16];
+    _mm512_store_ps(tmp, v);
+    store_row(tmp, p, 16);
+  }
 }
 
 // acc += w . (the 4 bytes at x, broadcast to every lane), the broadcast folded into dpbusd's memory
