@@ -267,9 +267,12 @@ class Supervisor:
             if peer is dead or self.groups.get(peer.name) != group:
                 continue
             if peer.proc is not None:
-                if peer.proc.poll() is None:
+                code = peer.proc.poll()
+                if code is None:
                     log.warning("%s: killing it too, its group lost %s", peer.name, dead.name)
                     peer.proc.kill()
+                else:  # both ended before this poll: a rank that saw its peer go exits on its own
+                    log.warning("%s exited with %s too; its group lost %s", peer.name, code, dead.name)
                 peer.proc.wait()
                 peer.proc = None
             peer.restart_at = dead.restart_at

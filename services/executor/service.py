@@ -39,7 +39,7 @@ from services.executor.model_runner import ModelRunner
 from services.executor.options import ExecutorOptions
 from services.executor.previous_tokens import PreviousTokens
 from services.executor.seq_states import SequenceStates
-from services.executor.tp_group import KEEPALIVE_S, GroupBroken, TPGroup, insecure_allowed
+from services.executor.tp_group import KEEPALIVE_S, GroupBroken, TPGroup, insecure_allowed, leave
 from services.scheduler.options import SpeculativeOptions
 from shared import cpu_placement
 from shared.config import Addresses
@@ -244,4 +244,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return executor.run()
+    code = executor.run()
+    if args.tensor_parallel_size > 1:
+        leave(code)
+    return code

@@ -356,6 +356,7 @@ def test_rank1_killed_mid_run_restarts_the_group_and_every_request_completes(ser
     assert results == reference, tp2.log()
     new = rank_pids(tp2)
     assert new["executor"] != old["executor"] and new["executor-rank1"] != old["executor-rank1"], new
-    assert "its group lost executor-rank1" in tp2.log()
+    # rank 0 exits on its own once its broadcast fails: the launcher may reap it first
+    assert re.search(r"its group lost executor-rank1|executor-rank1 exited with -9 too", tp2.log()), tp2.log()
     assert tp2.metrics()["pagedserve_num_preemptions_total"] > preemptions  # recomputed
     tp2.wait_blocks_free()

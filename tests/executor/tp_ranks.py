@@ -21,7 +21,7 @@ import torch
 
 from services.executor.model_runner import ModelRunner
 from services.executor.service import Executor
-from services.executor.tp_group import TPGroup
+from services.executor.tp_group import TPGroup, leave
 from shared.lora_options import LoraOptions
 from shared.messages import ExecuteStep, LoraAdapter, RankStop, ScheduledSeq, SeqSampling
 
@@ -108,4 +108,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    leave(main())  # as the executor stage's ranks end
