@@ -15,6 +15,7 @@ from pathlib import Path
 from shared.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+IDLE_READINGS_S = 0.4  # wait_blocks_free: longer than the scheduler's heartbeat interval (0.25 s)
 
 
 def make_tiny_llama(out: Path, seed: int = 0, num_layers: int = 2) -> Path:
@@ -84,12 +85,20 @@ class ServerProcess:
         return parse_metrics(get(self.url + "/metrics", headers=self.headers)[1])
 
     def wait_blocks_free(self, timeout: float = 10.0) -> dict[str, float]:
+        """/metrics once no block is used and nothing runs, in every reading for longer than one
+        scheduler heartbeat (0.25 s): a beat sampled before the last request ended also reads 0."""
         deadline = time.monotonic() + timeout
+        idle_since = None
         while True:
             m = self.metrics()
+            now = time.monotonic()
             if m.get("pagedserve_kv_blocks_used") == 0 and m.get("pagedserve_num_requests_running") == 0:
-                return m
-            if time.monotonic() > deadline:
+                idle_since = now if idle_since is None else idle_since
+                if now - idle_since >= IDLE_READINGS_S:
+                    return m
+            else:
+                idle_since = None
+            if now > deadline:
                 raise AssertionError(f"KV blocks still in use: {m}")
             time.sleep(0.1)
 
