@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace pagedserve {
@@ -420,16 +421,16 @@ inline void add_values_rows(float* acc, int64_t acc_stride, const float* p, int6
     for (int c = 0; c < CH; ++c) _mm512_storeu_ps(acc + r * acc_stride + c * 16, out[r][c]);
 }
 
-template <int CH, typename C>
-inline void add_values_any(int64_t nr, float* acc, int64_t acc_stride, const float* p, int64_t p_stride,
-                           const C* values, int64_t v_stride, int64_t n_tok) {
+// f(std::integral_constant<int, NR>{}) for nr rows, 1 to 6 (more: 6), so NR's outputs stay in registers.
+template <typename F>
+inline void with_row_count(int64_t nr, F&& f) {
   switch (nr) {
-    case 1: return add_values_rows<CH, 1>(acc, acc_stride, p, p_stride, values, v_stride, n_tok);
-    case 2: return add_values_rows<CH, 2>(acc, acc_stride, p, p_stride, values, v_stride, n_tok);
-    case 3: return add_values_rows<CH, 3>(acc, acc_stride, p, p_stride, values, v_stride, n_tok);
-    case 4: return add_values_rows<CH, 4>(acc, acc_stride, p, p_stride, values, v_stride, n_tok);
-    case 5: return add_values_rows<CH, 5>(acc, acc_stride, p, p_stride, values, v_stride, n_tok);
-    default: return add_values_rows<CH, 6>(acc, acc_stride, p, p_stride, values, v_stride, n_tok);
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    default: return f(std::integral_constant<int, 6>{});
   }
 }
 
@@ -464,20 +465,6 @@ inline void add_values_rows_pairs(float* acc, int64_t acc_stride, const c10::BFl
   }
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < CH; ++c) _mm512_storeu_ps(acc + r * acc_stride + c * 16, out[r][c]);
-}
-
-template <int CH>
-inline void add_values_pairs_any(int64_t nr, float* acc, int64_t acc_stride, const c10::BFloat16* p,
-                                 int64_t p_stride, const c10::BFloat16* values, int64_t v_stride, int64_t j_lo,
-                                 int64_t j_hi, const c10::BFloat16* zero_row) {
-  switch (nr) {
-    case 1: return add_values_rows_pairs<CH, 1>(acc, acc_stride, p, p_stride, values, v_stride, j_lo, j_hi, zero_row);
-    case 2: return add_values_rows_pairs<CH, 2>(acc, acc_stride, p, p_stride, values, v_stride, j_lo, j_hi, zero_row);
-    case 3: return add_values_rows_pairs<CH, 3>(acc, acc_stride, p, p_stride, values, v_stride, j_lo, j_hi, zero_row);
-    case 4: return add_values_rows_pairs<CH, 4>(acc, acc_stride, p, p_stride, values, v_stride, j_lo, j_hi, zero_row);
-    case 5: return add_values_rows_pairs<CH, 5>(acc, acc_stride, p, p_stride, values, v_stride, j_lo, j_hi, zero_row);
-    default: return add_values_rows_pairs<CH, 6>(acc, acc_stride, p, p_stride, values, v_stride, j_lo, j_hi, zero_row);
-  }
 }
 
 // A row of add_values_rows_pairs' outputs (16 * CH floats) back in head_dim order, in place.
@@ -599,7 +586,7 @@ void run_item_two_pass(const WorkItem& w, Scratch& s, const T* query, int64_t q_
         p = _mm512_cvtpbh_ps(pb);
       }
 #endif
-      _mm512_storeu_ps(row + i, p);
+      if constexpr (!kPairDots) _mm512_storeu_ps(row + i, p);
       sum = _mm512_add_ps(sum, p);
     }
     s.l[r] = _mm512_reduce_add_ps(sum);
@@ -615,16 +602,19 @@ void run_item_two_pass(const WorkItem& w, Scratch& s, const T* query, int64_t q_
     if constexpr (kPairDots) {
       const c10::BFloat16* pb = s.pb.data() + (b - b0) * BS;
       for (int64_t r = 0; r < rows; r += kRowGroup)
-        add_values_pairs_any<CH>(std::min<int64_t>(kRowGroup, rows - r), &s.acc[r * D], D, pb + r * span, span,
-                                 v_cache + block_base(b), token_stride, j_lo, j_hi, zeros);
+        with_row_count(std::min<int64_t>(kRowGroup, rows - r), [&](auto nr) {
+          add_values_rows_pairs<CH, nr>(&s.acc[r * D], D, pb + r * span, span, v_cache + block_base(b),
+                                        token_stride, j_lo, j_hi, zeros);
+        });
       continue;
     }
 #endif
     const float* p = sc + (b - b0) * BS + j_lo;
     const C* values = v_cache + block_base(b) + j_lo * token_stride;
     for (int64_t r = 0; r < rows; r += kRowGroup)
-      add_values_any<CH>(std::min<int64_t>(kRowGroup, rows - r), &s.acc[r * D], D, p + r * span, span, values,
-                         token_stride, j_hi - j_lo + 1);
+      with_row_count(std::min<int64_t>(kRowGroup, rows - r), [&](auto nr) {
+        add_values_rows<CH, nr>(&s.acc[r * D], D, p + r * span, span, values, token_stride, j_hi - j_lo + 1);
+      });
   }
 #if defined(__AVX512BF16__)
   if constexpr (kPairDots)
