@@ -45,6 +45,7 @@ struct Scratch {
   std::vector<float> q, acc, m, l, scores, k, v;
   std::vector<c10::BFloat16> qb;  // query rows in bfloat16 (the two-pass path's pair dot products)
   std::vector<c10::BFloat16> pb;  // probabilities in bfloat16 (its values pass, by pair dot products)
+  const WorkItem* next = nullptr;  // the item this thread runs after this one (none: the last)
 };
 
 // Loads the item's query rows (tile tokens x the heads sharing its KV head), scaled, and
@@ -493,14 +494,13 @@ void run_item_two_pass(const WorkItem& w, Scratch& s, const T* query, int64_t q_
                        int64_t group, int64_t num_kv_heads, int64_t block_size, float scale, int64_t window) {
   constexpr int64_t D = 16 * CH;
   constexpr int kRowGroup = CH == 4 ? 6 : 2;  // rows whose outputs stay in registers beside one value row
-  // blocks fetched ahead: the keys and the values of a block together, as the 16 keys' scores take
-  // too little time to hide a fetch issued one pass later (measured: values fetched in the third pass
-  // were 1.1x slower, 64 rows x 200 tokens from DRAM)
-  constexpr int64_t kAhead = 2;
-  // ... and, into L2, the item's first kL2Ahead blocks (keys and values) before anything else, then
-  // in each pass the block kL2Ahead ahead. Fetched only kAhead blocks ahead, a decode item waited on
-  // DRAM for most of its blocks: with this, 30 layers' decode attention from DRAM took 0.63-0.73x
-  // the time (64 sequences x 200 tokens, 16 x 1,000, 8 x 4,000, 4 x 16,000, 1 x 8,000; Zen 4).
+  // Into L2: the item's first kL2Ahead blocks (keys and values) before anything else, then in each
+  // pass the block kL2Ahead ahead; and, once the keys are scored, the next item's first kL2Ahead
+  // blocks, so that DRAM keeps fetching while this item's softmax and values compute (a decode item
+  // at 200 tokens computes in less time than its blocks take to arrive). Fetching into L1 too, two
+  // blocks ahead, only cost instructions once L2 held them: without it and with the next item's
+  // fetch, 30 layers' decode attention from DRAM took 0.87-0.99x the time at 64 sequences x 200
+  // tokens, 0.85-0.93x at 16 x 1,000, 0.80-0.83x at 8 x 4,000 and 0.64-0.73x at 1 x 8,000 (Zen 4).
   constexpr int64_t kL2Ahead = 32;  // 128 KB of bfloat16 keys and values at head_dim 64
   const int64_t BS = block_size;
   const auto [ctx, first_pos, rows, last_pos, lowest_pos] = ItemSpan(w, qsl, ctx_lens, group, window);
@@ -515,10 +515,6 @@ void run_item_two_pass(const WorkItem& w, Scratch& s, const T* query, int64_t q_
   auto row_pos = [&](int64_t r) { return first_pos + w.tile_start + r / group; };
   auto row_lo = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, row_pos(r) - window + 1) : 0; };
   auto block_base = [&](int64_t b) { return table[b] * BS * token_stride + w.kv_head * D; };
-  auto fetch = [&](int64_t b) {
-    prefetch_block(k_cache, block_base(b), BS, token_stride, D);
-    prefetch_block(v_cache, block_base(b), BS, token_stride, D);
-  };
 #if defined(__AVX512BF16__)
   constexpr bool kPairDots = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
 #else
@@ -543,9 +539,7 @@ void run_item_two_pass(const WorkItem& w, Scratch& s, const T* query, int64_t q_
     fetch_l2(k_cache, a);
     fetch_l2(v_cache, a);
   }
-  for (int64_t a = b0; a < b0 + kAhead && a <= b1; ++a) fetch(a);
   for (int64_t b = b0; b <= b1; ++b) {
-    if (b + kAhead <= b1) fetch(b + kAhead);
     if (b + kL2Ahead <= b1) fetch_l2(k_cache, b + kL2Ahead);
     const int64_t n_tok = std::min(BS, ctx - b * BS);
     const C* block_keys = k_cache + block_base(b);
@@ -559,6 +553,16 @@ void run_item_two_pass(const WorkItem& w, Scratch& s, const T* query, int64_t q_
     }
   }
 
+  if (s.next != nullptr) {
+    const WorkItem& n = *s.next;
+    const ItemSpan next(n, qsl, ctx_lens, group, window);
+    const int64_t* next_table = tables + n.seq * table_stride;
+    for (int64_t a = next.lowest_pos / BS; a < next.lowest_pos / BS + kL2Ahead && a <= next.last_pos / BS; ++a) {
+      const int64_t base = next_table[a] * BS * token_stride + n.kv_head * D;
+      prefetch_block<true>(k_cache, base, BS, token_stride, D);
+      prefetch_block<true>(v_cache, base, BS, token_stride, D);
+    }
+  }
   // a long context's first values left L2 while the keys streamed past: fetch them again
   if (b1 - b0 >= kL2Ahead)
     for (int64_t a = b0; a < b0 + kL2Ahead; ++a) fetch_l2(v_cache, a);
@@ -707,6 +711,7 @@ std::vector<WorkItem> items;
     const cache_t* vc = v_cache.data_ptr<cache_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t n_items = static_cast<int64_t>(items.size());
+    int64_t claimed = 0;  // items handed out
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items)))
     {
       Scratch s;
@@ -717,11 +722,18 @@ std::vector<WorkItem> items;
       s.scores.resize(max_rows * block_size);
       s.k.resize(block_size * head_dim);  // keys, transposed
       s.v.resize(block_size * head_dim);
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < n_items; ++i)
+      // dynamic scheduling, one item claimed ahead so that the running one can fetch its blocks
+      int64_t i, next;
+#pragma omp atomic capture
+      i = claimed++;
+      for (; i < n_items; i = next) {
+#pragma omp atomic capture
+        next = claimed++;
+        s.next = next < n_items ? &items[next] : nullptr;
         run_item(items[i], s, q, query.stride(0), query.stride(1), kc, vc, o, out.stride(0), out.stride(1), tab_p,
                  tables.size(1), qsl_p, ctx_p, group, num_kv_heads, head_dim, block_size, static_cast<float>(scale),
                  sliding_window, simd);
+      }
     }
   });
   });
