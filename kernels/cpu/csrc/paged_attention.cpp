@@ -210,6 +210,47 @@ inline void prefetch_block(const C* cache, int64_t base, int64_t block_size, int
     }
 }
 
+// The first blocks (up to kAhead) of the item this thread runs next, fetched into L2 a few at a time
+// while the current item computes: issued in one burst, they held the loads up until DRAM answered.
+// Keys first then values (`keys_first`, for a pass over keys before one over values), or each block's
+// keys and values together.
+template <typename C>
+struct NextItemFetch {
+  const C* k_cache;
+  const C* v_cache;
+  int64_t block_size, token_stride, D;
+  bool keys_first;
+  const int64_t* table = nullptr;
+  int64_t b0 = 0, n = 0, off = 0, issued = 0;
+
+  NextItemFetch(const C* k, const C* v, int64_t bs, int64_t ts, int64_t d, bool kf, const WorkItem* next,
+                const int64_t* tables, int64_t table_stride, const int64_t* qsl, const int64_t* ctx_lens, int64_t group,
+                int64_t window, int64_t ahead)
+      : k_cache(k), v_cache(v), block_size(bs), token_stride(ts), D(d), keys_first(kf) {
+    if (next == nullptr) return;
+    const ItemSpan nx(*next, qsl, ctx_lens, group, window);
+    table = tables + next->seq * table_stride;
+    b0 = nx.lowest_pos / bs;
+    n = std::min(ahead, nx.last_pos / bs - b0 + 1);
+    off = next->kv_head * d;
+  }
+  int64_t total() const { return 2 * n; }
+  // issues up to `count` more block fetches (one block's keys, or its values, each)
+  void issue(int64_t count) {
+    for (; count > 0 && issued < total(); --count, ++issued) {
+      const bool values = keys_first ? issued >= n : issued % 2 == 1;
+      const int64_t a = b0 + (keys_first ? issued % n : issued / 2);
+      prefetch_block<true>(values ? v_cache : k_cache, table[a] * block_size * token_stride + off, block_size,
+                           token_stride, D);
+    }
+  }
+  // spread over `slots` calls of at(slot), ending with the last
+  void at(int64_t slot, int64_t slots) {
+    const int64_t per_slot = (total() + slots - 1) / slots;
+    if (slot >= slots - total()) issue(per_slot);
+  }
+};
+
 // One online-softmax update of row r (as softmax_update), with the exponentials kWidth lanes at a
 // time: sc[0..block_size) becomes probabilities, 0 outside lo..hi.
 inline void softmax_update_simd(Scratch& s, int64_t r, float* sc, int64_t lo, int64_t hi, int64_t block_size,
@@ -268,16 +309,22 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
   V kv[kMaxChunks];
   // keys and values into L2 kL2Ahead blocks ahead, as run_item_two_pass does (AVX2 build, 64
   // sequences x 200 tokens and 8 x 4,000 from DRAM: 0.52x and 0.41x the time of fetching only the
-  // next block)
+  // next block), and the next item's first blocks over this item's last ones (64 x 200, 32 x 400
+  // and 16 x 1,000 then took 0.59-0.79x the time with a bfloat16 cache, 0.88-0.99x with float32)
   constexpr int64_t kL2Ahead = 32;
   auto fetch_l2 = [&](int64_t b) {
     const int64_t at = table[b] * BS * token_stride + w.kv_head * D;
     prefetch_block<true>(k_cache, at, BS, token_stride, D);
     prefetch_block<true>(v_cache, at, BS, token_stride, D);
   };
-  for (int64_t b = lowest_pos / BS; b < lowest_pos / BS + kL2Ahead && b <= last_pos / BS; ++b) fetch_l2(b);
-  for (int64_t b = lowest_pos / BS; b <= last_pos / BS; ++b) {
-    if (b + kL2Ahead <= last_pos / BS) fetch_l2(b + kL2Ahead);
+  const int64_t b0 = lowest_pos / BS, b1 = last_pos / BS;
+  NextItemFetch<C> next(k_cache, v_cache, BS, token_stride, D, false, s.next, tables, table_stride, qsl, ctx_lens,
+                        group, window, kL2Ahead);
+  if (s.fetched != &w)
+    for (int64_t b = b0; b < b0 + kL2Ahead && b <= b1; ++b) fetch_l2(b);
+  for (int64_t b = b0; b <= b1; ++b) {
+    if (b + kL2Ahead <= b1) fetch_l2(b + kL2Ahead);
+    next.at(b - b0, b1 - b0 + 1);
     const int64_t block_start = b * BS;
     const int64_t n_tok = std::min(BS, ctx - block_start);
     const int64_t base = table[b] * BS * token_stride + w.kv_head * D;
@@ -341,6 +388,7 @@ void run_item_simd(const WorkItem& w, Scratch& s, const T* query, int64_t q_tok_
     }
   }
   store_rows(w, s, out, o_tok_stride, o_head_stride, qsl, group, D);
+  s.fetched = s.next;
 }
 #endif
 
@@ -547,30 +595,14 @@ void run_item_two_pass(const WorkItem& w, Scratch& s, const T* query, int64_t q_
   // held the loads up until DRAM had answered (30 layers' decode attention from DRAM, 64 sequences x
   // 200 tokens, 32 x 400 and 64 x 120, took 0.74-0.83x the time spread, Zen 4). Behind a long item,
   // in one burst once its keys are scored: spread over its values pass, 16 x 1,000 took 1.1x.
-  int64_t next_b0 = 0, next_n = 0, next_off = 0, issued = 0;
-  const int64_t* next_table = nullptr;
-  if (s.next != nullptr) {
-    const ItemSpan nx(*s.next, qsl, ctx_lens, group, window);
-    next_b0 = nx.lowest_pos / BS;
-    next_n = std::min(kL2Ahead, nx.last_pos / BS - next_b0 + 1);
-    next_off = s.next->kv_head * D;
-    next_table = tables + s.next->seq * table_stride;
-  }
-  const int64_t slots = 2 * (b1 - b0 + 1), fetches = 2 * next_n;
+  NextItemFetch<C> next(k_cache, v_cache, BS, token_stride, D, true, s.next, tables, table_stride, qsl, ctx_lens,
+                        group, window, kL2Ahead);
+  const int64_t slots = 2 * (b1 - b0 + 1);
   const bool spread = b1 - b0 + 1 < kL2Ahead;
-  const int64_t per_slot = (fetches + slots - 1) / slots, first_slot = std::max<int64_t>(0, slots - fetches);
-  auto fetch_next = [&](int64_t count) {
-    for (; count > 0 && issued < fetches; --count, ++issued) {
-      const int64_t a = next_b0 + issued % next_n;
-      prefetch_block<true>(issued < next_n ? k_cache : v_cache, next_table[a] * BS * token_stride + next_off, BS,
-                           token_stride, D);
-    }
-  };
-  auto fetch_next_at = [&](int64_t slot) { fetch_next(spread && slot >= first_slot ? per_slot : 0); };
 
   for (int64_t b = b0; b <= b1; ++b) {
     if (b + kL2Ahead <= b1) fetch_l2(k_cache, b + kL2Ahead);
-    fetch_next_at(b - b0);
+    if (spread) next.at(b - b0, slots);
     const int64_t n_tok = std::min(BS, ctx - b * BS);
     const C* block_keys = k_cache + block_base(b);
     for (int64_t j0 = 0; j0 < BS; j0 += 16) {
@@ -583,7 +615,7 @@ void run_item_two_pass(const WorkItem& w, Scratch& s, const T* query, int64_t q_
     }
   }
 
-  if (!spread) fetch_next(fetches);
+  if (!spread) next.issue(next.total());
   // a long context's first values left L2 while the keys streamed past: fetch them again
   if (b1 - b0 >= kL2Ahead)
     for (int64_t a = b0; a < b0 + kL2Ahead; ++a) fetch_l2(v_cache, a);
@@ -619,7 +651,7 @@ void run_item_two_pass(const WorkItem& w, Scratch& s, const T* query, int64_t q_
 
   for (int64_t b = b0; b <= b1; ++b) {
     if (b + kL2Ahead <= b1) fetch_l2(v_cache, b + kL2Ahead);
-    fetch_next_at(b1 - b0 + 1 + b - b0);
+    if (spread) next.at(b1 - b0 + 1 + b - b0, slots);
     // no row sees a key outside [lowest_pos, last_pos]
     const int64_t j_lo = std::max<int64_t>(0, lowest_pos - b * BS);
     const int64_t j_hi = std::min(BS - 1, last_pos - b * BS);
