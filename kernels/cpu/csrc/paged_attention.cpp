@@ -9,7 +9,10 @@
 // so grouped-query attention reads each K/V block once per tile and never copies it
 // per head. Work is the sequence's own context (blocks past the tile's last position,
 // or before its sliding window, are never touched); items run in parallel on torch's
-// OpenMP threads with dynamic scheduling, as contexts differ. The entry point checks every
+// OpenMP threads with dynamic scheduling, as contexts differ, each thread claiming its next
+// item before it runs the current one, which fetches the next one's first blocks into L2
+// (`NextItemFetch`): blocks lie anywhere in the pool, where no hardware prefetcher finds
+// them, and a decode item computes in less time than DRAM takes to deliver it. The entry point checks every
 // block id a context reads against the pool, and each context against its table, once per
 // sequence before any item runs: a bad table is a RuntimeError, never an out-of-bounds read.
 //
