@@ -208,7 +208,7 @@ def test_q4_pack_round_trips():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 31])
 @pytest.mark.parametrize("shape", [(16, 32), (48, 576), (64, 1536)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_q4_linear_matches_reference(dtype, rows, shape):
     n, k = shape

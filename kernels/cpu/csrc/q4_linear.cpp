@@ -27,7 +27,7 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kLanes = 16;   // output rows per packed block
-constexpr int64_t kRowTile = 8;  // input rows whose accumulators stay in registers together
+constexpr int64_t kRowTile = 16;  // input rows whose accumulators stay in registers together
 constexpr int64_t kChunkBytes = 128 * 1024;  // int8 input rows a thread walks its weights with at a time
 
 inline int32_t load_i32(const int8_t* p) {
@@ -139,7 +139,7 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
                       const float* sx, int64_t K, int64_t G, T* out, int64_t ldo) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = wp + g * Bits * 64;
@@ -156,7 +156,7 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
       }
     }
     const __m512 dv = load_scales(d + g * kLanes), mv = load_scales(mn + g * kLanes);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const int8_t* xg = cx + i * K + g * kGroup;
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -170,13 +170,22 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
       acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[i * G + g]), acc[i]);
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i) store16(out + i * ldo, acc[i]);
 }
 
+// Up to 16 rows in one tile for 4-bit codes, whose nibbles each tile unpacks again (16 rows of
+// SmolLM2's and the 1B shape's decoder 0.89-0.94x the time of two tiles of 8, bit-identical); 8
+// for bytes, which load as they are (16 took the head's 64 rows 1.07x the time).
 template <int Bits, typename S, typename T>
 void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
                 const float* sx, int64_t rows, int64_t K, int64_t G, T* out, int64_t ldo) {
+  if constexpr (Bits == 8) {
+    if (rows > 8) {
+      block_rows_fixed<Bits, 8>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+      cx += 8 * K, dx += 8 * G, sx += 8 * G, out += 8 * ldo, rows -= 8;
+    }
+  }
   switch (rows) {
     case 1: return block_rows_fixed<Bits, 1>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
     case 2: return block_rows_fixed<Bits, 2>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
@@ -185,7 +194,15 @@ void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, co
     case 5: return block_rows_fixed<Bits, 5>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
     case 6: return block_rows_fixed<Bits, 6>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
     case 7: return block_rows_fixed<Bits, 7>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
-    default: return block_rows_fixed<Bits, 8>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 8: return block_rows_fixed<Bits, 8>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 9: return block_rows_fixed<Bits, 9>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 10: return block_rows_fixed<Bits, 10>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 11: return block_rows_fixed<Bits, 11>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 12: return block_rows_fixed<Bits, 12>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 13: return block_rows_fixed<Bits, 13>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 14: return block_rows_fixed<Bits, 14>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    case 15: return block_rows_fixed<Bits, 15>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
+    default: return block_rows_fixed<Bits, 16>(wp, d, mn, cx, dx, sx, K, G, out, ldo);
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
