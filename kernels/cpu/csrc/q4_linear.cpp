@@ -27,12 +27,14 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kLanes = 16;   // output rows per packed block
-// Calls of at most kFetchRows rows read their weights from DRAM faster than they compute them: each
-// group's first row tile prefetches the weights kAhead bytes on (a 576-input block is 4.6 KB at 4 bits).
-// Zen 4, 30 SmolLM2 decoder layers: 1-16 rows 0.84-0.90x the time; its head at 16 rows 0.76-0.85x, the
-// 1B shape's 0.90-0.96x. At 64 rows it gained 0.94-0.97x alone but nothing measurable in whole steps.
+// Calls of at most kFetchRows rows read their weights from DRAM about as fast as they compute
+// them: each block's first row tile prefetches the weights kAhead bytes on (a 576-input block is
+// 4.6 KB at 4 bits). Zen 4, 30 SmolLM2 decoder layers (benchmarks.quantized_linear_dram, alternated
+// builds): 1/4/8/16/32/64 rows 0.95/0.84/0.82/0.90/0.93/0.96x the time; the head at 16 and 32 rows
+// 0.76-0.91x, at 64 1.0x. Past 64 it hurt: 128 and 214 rows 1.15-1.2x, as the row tiles between
+// push the fetched lines out of L1 before they are used.
 constexpr int64_t kAhead = 4096;
-constexpr int64_t kFetchRows = 16;
+constexpr int64_t kFetchRows = 64;
 constexpr int64_t kRowTile = 16;  // input rows whose accumulators stay in registers together
 constexpr int64_t kChunkBytes = 128 * 1024;  // int8 input rows a thread walks its weights with at a time
 
