@@ -31,7 +31,7 @@ constexpr int64_t kLanes = 16;   // output rows per packed block
 // them: each block's first row tile prefetches the weights kAhead bytes on (a 576-input block is
 // 4.6 KB at 4 bits). Zen 4, 30 SmolLM2 decoder layers (benchmarks.quantized_linear_dram, alternated
 // builds): 1/4/8/16/32/64 rows 0.95/0.84/0.82/0.90/0.93/0.96x the time; the head at 16 and 32 rows
-// 0.76-0.91x, at 64 1.0x. Past 64 it hurt: 128 and 214 rows 1.15-1.2x, as the row tiles between
+// 0.76-0.91x, at 64 1.0x. Past 64 it hurt: 128 and 214 rows 1.25x and 1.12x, as the row tiles between
 // push the fetched lines out of L1 before they are used.
 constexpr int64_t kAhead = 4096;
 constexpr int64_t kFetchRows = 64;
