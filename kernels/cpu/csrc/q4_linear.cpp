@@ -35,8 +35,14 @@ constexpr int64_t kLanes = 16;   // output rows per packed block
 // push the fetched lines out of L1 before they are used.
 constexpr int64_t kAhead = 4096;
 constexpr int64_t kFetchRows = 64;
-constexpr int64_t kRowTile = 16;  // input rows whose accumulators stay in registers together
+constexpr int64_t kRowTile = 16;  // input rows handed to block_rows at a time (its register tiles may be smaller)
 constexpr int64_t kChunkBytes = 128 * 1024;  // int8 input rows a thread walks its weights with at a time
+
+// The Bits cache lines of the group kAhead bytes on (a group is Bits * 64 bytes).
+template <int Bits>
+inline void fetch_ahead(const uint8_t* wg) {
+  for (int l = 0; l < Bits; ++l) _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + l * 64), _MM_HINT_T0);
+}
 
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
@@ -151,10 +157,7 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = wp + g * Bits * 64;
-    if (fetch) {
-#pragma GCC unroll 8
-      for (int l = 0; l < Bits; ++l) _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + l * 64), _MM_HINT_T0);
-    }
+    if (fetch) fetch_ahead<Bits>(wg);
     __m512i w[8];
 #pragma GCC unroll 4
     for (int h = 0; h < 4; ++h) {
@@ -188,7 +191,7 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
 
 // Up to 16 rows in one tile for 4-bit codes, whose nibbles each tile unpacks again (16 rows of
 // SmolLM2's and the 1B shape's decoder 0.89-0.94x the time of two tiles of 8, bit-identical); 8
-// for bytes, which load as they are (16 took the head's 64 rows 1.07x the time).
+// for bytes, which load as they are (16 took the 1B shape's head 1.37x the time at 16 rows, 1.09x at 64).
 template <int Bits, typename S, typename T>
 void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
                 const float* sx, int64_t rows, int64_t K, int64_t G, T* out, int64_t ldo, bool fetch) {
@@ -235,9 +238,7 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* wg = wp + g * Bits * 64 + half * 32;
-      if (fetch && half == 0) {  // the second half reads the same lines
-        for (int l = 0; l < Bits; ++l) _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + l * 64), _MM_HINT_T0);
-      }
+      if (fetch && half == 0) fetch_ahead<Bits>(wg);  // the second half reads the same lines
       // 4-bit: the codes of inputs h*4.. (h < 4: low nibbles, else high); 8-bit: their low nibbles,
       // and in hi their high ones
       __m256i w[8], hi[Bits == 8 ? 8 : 1];
