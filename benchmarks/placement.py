@@ -24,8 +24,6 @@ Variants (`--variants`, comma-separated; the first is the baseline):
 - spin-N (e.g. spin-10000): GOMP_SPINCOUNT=N in every stage (how long an idle OpenMP worker
   spins before it sleeps; libgomp's default is 300000 spins, PASSIVE is 0);
 - sync: `--no-async-scheduling` (each step is built only once the previous result is back);
-- normal: `--no-frontend-batch` (the gateway and tokenizer under the normal scheduling policy, so
-  that waking they preempt the executor's OpenMP worker; by default they run under SCHED_BATCH);
 - unpinned: `--cpu-placement off` (by default the executor's main thread keeps a core to itself
   and every other thread and stage shares the rest, shared/cpu_placement.py; off, the OS places all).
 
@@ -57,7 +55,6 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "threads-1": (("--executor-threads", "1"), {}),
     "nice": (("--frontend-nice", "10"), {}),
     "sync": (("--no-async-scheduling",), {}),
-    "normal": (("--no-frontend-batch",), {}),
     "unpinned": (("--cpu-placement", "off"), {}),
 }
 INT4_ROWS = re.compile(r"int4 linears serve (?:steps of at most (\d+) tokens|(every step))")

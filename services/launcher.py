@@ -72,9 +72,6 @@ class ServeOptions:
     frontend_nice: int = option(0, "niceness added to the gateway and tokenizer processes, so that on a machine "
                                    "they share with the executor its compute threads are preempted less (see "
                                    "benchmarks/placement.py)")
-    frontend_batch: bool = option(True, "run the gateway and tokenizer under the normal scheduling policy instead "
-                                        "of SCHED_BATCH, under which they wait for a tick instead of preempting the "
-                                        "executor's compute threads when they wake (shared.cpu_placement)")
     cpu_placement: str = option("auto", "auto: on the CPU with one engine of one rank, the executor's main thread "
                                         "keeps the first allowed core to itself and every other thread and stage "
                                         "shares the rest (shared.cpu_placement); off: the OS places everything",
@@ -183,22 +180,6 @@ def shared_cores(args: argparse.Namespace) -> set[int] | None:
         return None
     parts = cpu_placement.split()
     return None if parts is None else parts[1]
-
-
-def is_frontend(stage: str) -> bool:
-    """The stages that serve clients and are off every step's critical path: the gateway and tokenizers."""
-    return stage == "gateway" or stage.startswith("tokenizer")
-
-
-def stage_envs(args: argparse.Namespace, commands: dict[str, list[str]],
-               gateway_env: dict[str, str]) -> dict[str, dict[str, str]]:
-    """The environment of each stage that does not simply inherit serve's: the gateway's own, and
-    SCHED_BATCH for the front end unless --no-frontend-batch (shared.cpu_placement)."""
-    envs = {"gateway": gateway_env}
-    if args.frontend_batch:
-        for name in filter(is_frontend, commands):
-            envs[name] = {**envs.get(name, os.environ), **cpu_placement.batch_env()}
-    return envs
 
 
 @dataclass
@@ -357,14 +338,13 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key:
         gateway_env[API_KEY_ENV] = args.api_key  # not in `ps`
     commands = stage_commands(args, addresses)
-    frontend = {name: args.frontend_nice for name in commands if is_frontend(name)}
-    envs = stage_envs(args, commands, gateway_env)
+    frontend = {name: args.frontend_nice for name in commands if name == "gateway" or name.startswith("tokenizer")}
     shared = shared_cores(args)
     cpus = {} if shared is None else {name: shared for name in commands if not name.startswith("executor")}
     if shared is not None:
         log.info("CPU placement: the executor's main thread keeps a core to itself; the other stages run on cores %s",
                  ",".join(map(str, sorted(shared))))
-    supervisor = Supervisor(commands, envs, args.shutdown_timeout, state_path=state_path,
+    supervisor = Supervisor(commands, {"gateway": gateway_env}, args.shutdown_timeout, state_path=state_path,
                             nice=frontend, cpus=cpus)
 
     def stop(signum, _frame):

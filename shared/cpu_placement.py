@@ -24,19 +24,6 @@ Placement starts once a stage is ready, not at its start: while the stages load
 the tokenizer, gateway and scheduler loaded on one core while the other idled once the
 executor had its weights: a tiny model's server was healthy after 14 s instead of 8.
 The launcher names a stage's cores in STAGE_CPUS_ENV; the stage calls `settle` when ready.
-
-The gateway and tokenizer also run under Linux's SCHED_BATCH policy (BATCH_ENV, which `serve`
-sets for them unless `--no-frontend-batch`, and compose.yaml sets too). A SCHED_BATCH thread
-gets the CPU share its niceness gives, but waking up it does not preempt the thread running
-on its core: it runs at the next scheduler tick or once that thread sleeps. Both stages wake
-for every step's output (each stream's tokens, each SSE write); under the normal policy each
-wake preempted the executor's OpenMP worker in the middle of a region, and the main thread,
-on its own core, then waited at the region's barrier with nothing to do. Now they run a few
-milliseconds later and handle what queued meanwhile in one go. On a 2-core Zen 4
-(SmolLM2, ShareGPT prompts, 64 output tokens, closed loop, three rounds in rotation against the
-same server, medians): C=64 1.33x the output tok/s (884 against 666), TTFT p50 0.31x;
-C=16 1.16x; C=1 the same TPOT, TTFT p50 0.55x. The scheduler keeps the normal policy: it is
-on the critical path of every step, and under SCHED_BATCH C=1's TPOT rose 1.08-1.17x.
 """
 
 from __future__ import annotations
@@ -45,7 +32,6 @@ import os
 import threading
 
 STAGE_CPUS_ENV = "PAGEDSERVE_STAGE_CPUS"  # "1,2,3": the cores a stage moves to once ready
-BATCH_ENV = "PAGEDSERVE_SCHED_BATCH"  # "1": the stage runs under SCHED_BATCH once ready
 
 _shared: set[int] | None = None  # the cores for every thread but the main one, once kept
 
@@ -64,26 +50,16 @@ def stage_cpus_env(cpus: set[int]) -> dict[str, str]:
     return {STAGE_CPUS_ENV: ",".join(map(str, sorted(cpus)))}
 
 
-def batch_env() -> dict[str, str]:
-    """The environment that puts a stage under SCHED_BATCH once it is ready."""
-    return {BATCH_ENV: "1"}
-
-
 def settle() -> set[int] | None:
-    """Once the stage is ready: every thread of this process under SCHED_BATCH where
-    BATCH_ENV asks, and moved to the cores the launcher named for it (none named: nothing
-    moves); threads and processes started later inherit both. Returns those cores."""
+    """Move every thread of this process to the cores the launcher named for it (none
+    named: nothing moves); threads and processes started later inherit them."""
     named = os.environ.get(STAGE_CPUS_ENV)
-    cpus = {int(c) for c in named.split(",")} if named else None
-    batch = os.environ.get(BATCH_ENV) == "1" and hasattr(os, "SCHED_BATCH")
-    if cpus is None and not batch:
+    if not named:
         return None
+    cpus = {int(c) for c in named.split(",")}
     for name in os.listdir("/proc/self/task"):
         try:
-            if batch:
-                os.sched_setscheduler(int(name), os.SCHED_BATCH, os.sched_param(0))
-            if cpus is not None:
-                os.sched_setaffinity(int(name), cpus)
+            os.sched_setaffinity(int(name), cpus)
         except OSError:  # a thread that ended meanwhile
             pass
     return cpus

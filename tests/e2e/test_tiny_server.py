@@ -232,15 +232,3 @@ def test_the_executor_main_thread_keeps_a_core_and_the_other_stages_share_the_re
     for stage in ("gateway", "scheduler", "tokenizer"):
         assert sorted(os.sched_getaffinity(tiny_server.stage_pid(stage))) == allowed[1:], stage
     assert "the main thread keeps core" in tiny_server.log()
-
-
-def test_the_front_end_runs_under_sched_batch_and_the_engine_does_not(tiny_server):
-    import os
-
-    def policies(pid: int) -> set[int]:  # of each of its threads
-        return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
-
-    for stage in ("gateway", "tokenizer"):
-        assert policies(tiny_server.stage_pid(stage)) == {os.SCHED_BATCH}, stage
-    for stage in ("scheduler", "executor"):
-        assert policies(tiny_server.stage_pid(stage)) == {os.SCHED_OTHER}, stage

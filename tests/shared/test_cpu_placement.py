@@ -119,33 +119,3 @@ def test_stages_given_cores_move_there_once_ready():
     finally:
         sup.stopping = True
         thread.join(30)
-
-
-def test_a_stage_asked_for_sched_batch_settles_under_it_with_every_thread():
-    # threads started before settle are moved, threads started after inherit the policy;
-    # no cores named: the affinity is left alone
-    child = ("import json, os, threading, time; from shared import cpu_placement; "
-             "early = threading.Thread(target=time.sleep, args=(5,), daemon=True); early.start(); "
-             "cores = cpu_placement.settle(); "
-             "late = threading.Thread(target=time.sleep, args=(5,), daemon=True); late.start(); "
-             "print(json.dumps([cores, sorted({os.sched_getscheduler(int(t)) for t in os.listdir('/proc/self/task')}), "
-             "sorted(os.sched_getaffinity(0))]))")
-    env = {**os.environ, **cpu_placement.batch_env()}
-    env.pop(cpu_placement.STAGE_CPUS_ENV, None)
-    proc = subprocess.run([sys.executable, "-c", child], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    cores, policies, affinity = json.loads(proc.stdout)
-    assert cores is None and policies == [os.SCHED_BATCH] and affinity == ALLOWED
-    env.pop(cpu_placement.BATCH_ENV)
-    proc = subprocess.run([sys.executable, "-c", child], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert json.loads(proc.stdout)[1] == [os.SCHED_OTHER]
-
-
-def test_serve_puts_only_the_gateway_and_tokenizers_under_sched_batch():
-    commands = launcher.stage_commands(_args("--tokenizer-replicas", "2"), Addresses.ipc("/tmp/run"))
-    gateway_env = {"OWN": "1"}
-    envs = launcher.stage_envs(_args(), commands, gateway_env)
-    assert sorted(envs) == ["gateway", "tokenizer-0", "tokenizer-1"]
-    assert all(env[cpu_placement.BATCH_ENV] == "1" for env in envs.values())
-    assert envs["gateway"]["OWN"] == "1"
-    assert launcher.stage_envs(_args("--no-frontend-batch"), commands, gateway_env) == {"gateway": gateway_env}
