@@ -41,6 +41,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import engine_counters
+from benchmarks.long_prompts import Point
 from benchmarks.serve_vs_peers import Trace, _log, dataset, point, point_offsets, point_requests
 from loadgen.datasets import WorkloadSpec
 from loadgen.peers import launch
@@ -119,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             for name in order:
                 for c in args.concurrency:
                     before = engine_counters.read(targets[name].url)
-                    rec = point(targets[name], trace, c, args, tokenizer, offsets[c])
+                    plan = Point(str(c), c, trace.take(offsets[c], point_requests(c, args)),
+                                 trace.warmup(args.warmup))
+                    rec = point(targets[name], plan, args, tokenizer)
                     rec["outside"] = engine_counters.outside_share(before, engine_counters.read(targets[name].url))
                     results[name][c].append(rec)
                     _log(f"round {r + 1} {name} C={c}: {rec['output_tok_s']:.1f} tok/s, "
