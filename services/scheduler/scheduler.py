@@ -137,6 +137,18 @@ class ScheduledChunk:
         return r.num_computed_tokens + self.num_tokens == r.num_tokens
 
 
+def _computes_a_prompt(chunks: list[ScheduledChunk]) -> bool:
+    """Whether the step already computes part of a prompt (a sequence with more than its newest
+    token left to compute); then a waiting prompt that the budget would cut is not started in it.
+
+    Its chunk would lengthen the step, and so delay that other prompt's first token, while giving
+    it no token of its own: it would finish only in a later step, which would in turn carry the
+    next prompt's first chunk. Started in a step without another prompt, each queued prompt
+    finishes as soon as the ones before it allow. A prompt that fits what is left of the budget
+    is still added, as is any prompt to a step of decodes alone."""
+    return any(c.sequence.num_tokens - c.sequence.num_computed_tokens > 1 for c in chunks)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, swap: HostBlockPool | None = None):
         self.config = config
@@ -708,7 +720,10 @@ class Scheduler:
             self.num_swapped_in_total += 1
         else:
             computed = self.blocks.get_computed_blocks(req)  # the one prefix lookup of this admission
-            n = self._chunk_size(req, len(computed) * self.blocks.block_size, budget)
+            cached = len(computed) * self.blocks.block_size
+            n = self._chunk_size(req, cached, budget)
+            if n < self._chunk_size(req, cached, req.num_tokens) and _computes_a_prompt(chunks):
+                return False  # the budget would cut it: see _computes_a_prompt
             cost = self._step_cost(req, n) if n else None
             if n and cost is None:  # over the step's bytes: checked before anything is allocated
                 return False

@@ -27,9 +27,9 @@ def step_and_apply(sched):
 
 def test_a_chunked_embedding_runs_beside_a_generation_and_frees_its_blocks():
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16), BlockManager(64, 4))
-    prompt = list(range(3, 33))  # 30 tokens: two chunks beside the generation
+    prompt = list(range(3, 33))  # 30 tokens: two chunks, the generation's prompt beside the second
     sched.add_request(embedding("e", prompt))
-    sched.add_request(make("g", 5, 4))
+    sched.add_request(make("g", 2, 4))
     sent, steps = [], []
     while sched.has_work:
         step, out = step_and_apply(sched)

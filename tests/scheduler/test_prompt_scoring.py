@@ -70,7 +70,7 @@ def test_every_position_once_through_chunks_preemption_forks_and_cache():
     rng = random.Random(0)
     prompts = {f"r{i}": [rng.randrange(3, 100) for _ in range(rng.choice([2, 17, 40, 75]))] for i in range(6)}
     # a small pool and budget: prompts are prefilled in chunks and requests get preempted
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_model_len=256), BlockManager(16, 8))
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_model_len=256), BlockManager(12, 8))
     warm = Sequence("warm", prompts["r3"], SamplingParams(max_tokens=1), frozenset({EOS}), 0.0)
     sched.add_request(warm)  # r3's prompt will sit in the prefix cache
     run(sched)

@@ -605,3 +605,33 @@ def test_samples_forked_at_admission_from_the_cache_run_in_that_very_step():
     assert sorted(c.sequence.seq_index for c in chunks) == [0, 1] and sched.num_forked_at_admission == 1
     assert all(s.start_pos == 12 and len(s.token_ids) == 1 for s in step.seqs)  # only the last prompt token
     sched.check_invariants()
+
+
+def test_a_prompt_the_budget_would_cut_waits_for_a_step_without_another_prompt():
+    # budget 16, all waiting: "b" (12) would be cut to 6 beside "a" (10) and finish only in the
+    # next step, so it starts there, whole, beside a's decode; "c" (4) would be cut to 3 beside
+    # "b" and starts in the step after, beside b's decode alone
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16), BlockManager(64, 4))
+    for rid, n in (("a", 10), ("b", 12), ("c", 4)):
+        sched.add_request(make(rid, n, 2))
+    steps = []
+    while (scheduled := sched.schedule()) is not None:
+        step, chunks = scheduled
+        steps.append({s.request_id: len(s.token_ids) for s in step.seqs})
+        sched.process_results(chunks, [7 if s.sample else -1 for s in step.seqs])
+    assert steps == [{"a": 10}, {"a": 1, "b": 12}, {"b": 1, "c": 4}, {"c": 1}]
+
+
+def test_a_prompt_longer_than_the_budget_still_starts_beside_decodes():
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16), BlockManager(64, 4))
+    sched.add_request(make("short", 4, 6))
+    first = sched.schedule()
+    sched.process_results(first[1], [7])
+    sched.add_request(make("long", 40, 2))
+    sizes = []
+    while (scheduled := sched.schedule()) is not None:
+        step, chunks = scheduled
+        sizes.append({s.request_id: len(s.token_ids) for s in step.seqs})
+        sched.process_results(chunks, [7 if s.sample else -1 for s in step.seqs])
+    assert sizes[0] == {"short": 1, "long": 15}  # decodes only so far: the long prompt starts, cut
+    assert sizes[1] == {"short": 1, "long": 15} and sizes[2] == {"short": 1, "long": 10}
