@@ -161,16 +161,18 @@ def test_models_health_and_metrics(tiny_server):
 
 
 def test_small_pool_preempts_and_still_matches(tiny_model_dir, tmp_path):
-    # 12 blocks of 16 slots for 6 requests of up to 70 + 40 tokens: they cannot all run at once.
+    # 12 blocks of 16 slots for 6 requests of up to 70 + 100 tokens: each needs at least 7 blocks
+    # by its end, so any two that run at once preempt (with 40 output tokens, short prompts that
+    # arrived apart on a loaded machine could all fit, and once no preemption came).
     extra = ["--dtype", "float32", "--num-kv-blocks", "12", "--served-model-name", "tiny-llama"]
     batch = prompts(6, seed=7)
     with ServerProcess(tiny_model_dir, tmp_path, extra) as server:
-        results = asyncio.run(complete_all(server.url, [greedy_body(p, max_tokens=40) for p in batch]))
+        results = asyncio.run(complete_all(server.url, [greedy_body(p, max_tokens=100) for p in batch]))
         deadline = time.monotonic() + 10
         while server.wait_blocks_free()["pagedserve_num_preemptions_total"] == 0:
             assert time.monotonic() < deadline, server.log()  # heartbeats carry the stats: give them a moment
             time.sleep(0.1)
-    check_equal_to_hf(tiny_model_dir, batch, results, max_tokens=40)
+    check_equal_to_hf(tiny_model_dir, batch, results, max_tokens=100)
 
 
 def test_prefix_cache_hits_keep_greedy_output_and_show_in_metrics(tiny_server):
