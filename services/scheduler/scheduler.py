@@ -146,7 +146,7 @@ def _computes_a_prompt(chunks: list[ScheduledChunk]) -> bool:
     next prompt's first chunk. Started in a step without another prompt, each queued prompt
     finishes as soon as the ones before it allow. A prompt that fits what is left of the budget
     is still added, as is any prompt to a step of decodes alone."""
-    return any(c.sequence.num_tokens - c.sequence.num_computed_tokens > 1 for c in chunks)
+    return any(c.sequence.num_uncomputed_tokens > 1 for c in chunks)
 
 
 class Scheduler:

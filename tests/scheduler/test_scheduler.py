@@ -607,6 +607,16 @@ def test_samples_forked_at_admission_from_the_cache_run_in_that_very_step():
     sched.check_invariants()
 
 
+def tokens_per_step(sched: Scheduler) -> list[dict[str, int]]:
+    """Runs sched to the end with a token for each sampled row; each step's tokens per request."""
+    steps = []
+    while (scheduled := sched.schedule()) is not None:
+        step, chunks = scheduled
+        steps.append({s.request_id: len(s.token_ids) for s in step.seqs})
+        sched.process_results(chunks, [7 if s.sample else -1 for s in step.seqs])
+    return steps
+
+
 def test_a_prompt_the_budget_would_cut_waits_for_a_step_without_another_prompt():
     # budget 16, all waiting: "b" (12) would be cut to 6 beside "a" (10) and finish only in the
     # next step, so it starts there, whole, beside a's decode; "c" (4) would be cut to 3 beside
@@ -614,12 +624,7 @@ def test_a_prompt_the_budget_would_cut_waits_for_a_step_without_another_prompt()
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16), BlockManager(64, 4))
     for rid, n in (("a", 10), ("b", 12), ("c", 4)):
         sched.add_request(make(rid, n, 2))
-    steps = []
-    while (scheduled := sched.schedule()) is not None:
-        step, chunks = scheduled
-        steps.append({s.request_id: len(s.token_ids) for s in step.seqs})
-        sched.process_results(chunks, [7 if s.sample else -1 for s in step.seqs])
-    assert steps == [{"a": 10}, {"a": 1, "b": 12}, {"b": 1, "c": 4}, {"c": 1}]
+    assert tokens_per_step(sched) == [{"a": 10}, {"a": 1, "b": 12}, {"b": 1, "c": 4}, {"c": 1}]
 
 
 def test_a_prompt_longer_than_the_budget_still_starts_beside_decodes():
@@ -628,10 +633,6 @@ def test_a_prompt_longer_than_the_budget_still_starts_beside_decodes():
     first = sched.schedule()
     sched.process_results(first[1], [7])
     sched.add_request(make("long", 40, 2))
-    sizes = []
-    while (scheduled := sched.schedule()) is not None:
-        step, chunks = scheduled
-        sizes.append({s.request_id: len(s.token_ids) for s in step.seqs})
-        sched.process_results(chunks, [7 if s.sample else -1 for s in step.seqs])
+    sizes = tokens_per_step(sched)
     assert sizes[0] == {"short": 1, "long": 15}  # decodes only so far: the long prompt starts, cut
     assert sizes[1] == {"short": 1, "long": 15} and sizes[2] == {"short": 1, "long": 10}
