@@ -2,7 +2,8 @@
 
 `q4_linear` over a model's decoder projections (qkv, o, gate_up, down) for all its layers, each
 layer with its own random Q4_1 weights (SmolLM2: 30 layers, 63 MiB; the 1B shape: 16 layers,
-580 MiB, both beyond L3), and `q8_linear` over the output head (49,152 x hidden, Q8_0 codes;
+580 MiB, both beyond L3), and `q8_linear` over the output head (49,152 x hidden, Q8_0 codes with
+float16 scales and no m as served, `--head-explicit-m` for builds that need m;
 SmolLM2's head fits a 32 MB L3, so its figure is cached unless a decoder pass runs between).
 Prints, per row count, the median ms of one pass, GMAC/s and a checksum.
 
@@ -59,6 +60,8 @@ def main() -> None:
     parser.add_argument("--head", action="store_true", help="time the output head too")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--so", help="another build of the extension to time instead of this checkout's")
+    parser.add_argument("--head-explicit-m", action="store_true",
+                        help="give the head's q8_linear its m (-128 d) as a tensor, as builds before 2026-12-07 need")
     args = parser.parse_args()
     torch.manual_seed(0)
     ext = load_extension(args.so)
@@ -72,8 +75,9 @@ def main() -> None:
     if args.head:
         codes = torch.randint(0, 256, (VOCAB, hidden))
         scale = torch.rand(VOCAB, hidden // 32) * 0.01 + 1e-4
-        packed, d, m = reference.q8_pack(codes, scale, -128 * scale)
-        head = (packed, d, m)
+        packed, d, m = reference.q8_pack(codes, scale.half().float(), -128 * scale.half().float())
+        # as served (quantization.quantize_q8): float16 scales and no m, Q8_0's -128 d being implied
+        head = (packed, d.half(), m.half() if args.head_explicit_m else d.half().new_empty(0))
     for rows in args.rows:
         xs = {k: torch.randn(rows, k).bfloat16() for k in (hidden, inter)}
         outs = [torch.empty(rows, n, dtype=torch.bfloat16) for n, _ in shapes]

@@ -237,8 +237,11 @@ def q4_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor) -> Tensor:
 
 
 def q8_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor, out: Tensor | None = None) -> Tensor:
-    """q4_linear for 8-bit codes (`q8_pack`); into out (float32, or x's dtype) when given."""
+    """q4_linear for 8-bit codes (`q8_pack`); into out (float32, or x's dtype) when given. An empty
+    mn stands for Q8_0's -128 d (codes c + 128 of w = d * c)."""
     blocks, groups, lanes = d.shape
+    if mn.numel() == 0:
+        mn = -128 * d
     y = _coded_linear(x, q8_unpack(packed, blocks * lanes, groups * 32), d, mn)
     return y.to(x.dtype) if out is None else out.copy_(y)
 

@@ -114,7 +114,8 @@ class Int8Weight:
 @dataclass
 class Q8Weight(Q4Weight):
     """Q8_0 weight [out, in] (w = s * c, c in -127..127) as 8-bit codes c + 128 for `q8_linear`
-    (kernels.reference.q8_pack): w = s * (c + 128) - 128 s, Q4Weight's arithmetic with a byte a code.
+    (kernels.reference.q8_pack): w = s * (c + 128) - 128 s, Q4Weight's arithmetic with a byte a code,
+    m left empty (q8_linear's sign for that -128 s, which it adds in its integer dot products).
     `op` is the backend's `q8_linear`; its results are float32 (logits), rounded once."""
 
     def matmul(self, x: Tensor) -> Tensor:
@@ -166,7 +167,9 @@ def quantize_q8(weight: Tensor, op: Callable[..., Tensor]) -> Q8Weight:
     codes, scale = q8_0_codes(weight)
     scale = scale.squeeze(-1)
     packed, d, m = reference.q8_pack((codes + 128).to(torch.int64).view(weight.shape), scale, -128 * scale)
-    return Q8Weight(packed, *compact_scales(d, m), weight.shape[0], op)
+    d, m = compact_scales(d, m)
+    # no m: q8_linear then adds Q8_0's offset (-128 d) in its integer sums
+    return Q8Weight(packed, d, d.new_empty(0), weight.shape[0], op)
 
 
 def quantizable(weight: Tensor) -> bool:

@@ -273,6 +273,34 @@ def test_q8_linear_matches_reference(rows):
     assert torch.equal(typed, full.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("rows", [1, 8, 13, 64])
+def test_q8_linear_q8_0_offset_in_integer_sums(rows):
+    """An empty m says the codes are Q8_0's c + 128 (m = -128 d): the kernel adds -128 * the sum of
+    each group's input codes to its integer dot product instead of a float min term. Both forms
+    quantize the inputs alike, so they differ by float32 rounding alone (the explicit one subtracts
+    two large terms); against the float64 reference, as test_q8_linear_kernel_matches_its_reference
+    allows (an input within an ulp of a half may round to the other code there)."""
+    n, k = 64, 1536
+    g = torch.Generator().manual_seed(100 + rows)
+    signed = torch.randint(-127, 128, (n, k), generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).half().float()
+    packed, d, m = reference.q8_pack(signed + 128, scale, -128 * scale)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    want = reference.q8_linear(x, packed, d, m, torch.empty(rows, n))
+    assert torch.equal(want, reference.q8_linear(x, packed, d, d.new_empty(0), torch.empty(rows, n)))
+    explicit, offset = torch.empty(rows, n), torch.empty(rows, n)
+    ext.q8_linear(explicit, x, packed, d, m)
+    ext.q8_linear(offset, x, packed, d, d.new_empty(0))
+    top = float(want.abs().max())
+    assert (offset - explicit).abs().max() <= 1e-5 * top
+    assert torch.allclose(offset, want, rtol=1e-5, atol=2e-3 * top)
+    half = torch.empty(rows, n)
+    ext.q8_linear(half, x, packed, d.half(), d.half().new_empty(0))
+    assert torch.equal(half, offset)  # d is float16-exact here
+    with pytest.raises(RuntimeError, match="Q8_0"):
+        ext.q8_linear(offset, x, packed, d, d.half().new_empty(0))  # m's dtype must still be d's
+
+
 def test_q4_linear_rejects_bad_shapes():
     packed, d, m = reference.q4_pack(*q4_weight(16, 64, 0))
     with pytest.raises(RuntimeError, match="multiple of 32"):

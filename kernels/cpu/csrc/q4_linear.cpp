@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 namespace pagedserve {
 namespace {
@@ -51,8 +52,9 @@ inline int32_t load_i32(const int8_t* p) {
 }
 
 // One group of 32 values -> int8 codes c (round to nearest even, as torch.round), its scale d
-// (largest magnitude / 127) and d * the sum of its codes.
-inline void quantize_group(const float* buf, int8_t* c, float* d_out, float* s_out) {
+// (largest magnitude / 127) and d * the sum of its codes; with z_out, also -128 * that sum (the
+// Q8_0 weights' offset, added to the integer dot products: `Rows::zs`).
+inline void quantize_group(const float* buf, int8_t* c, float* d_out, float* s_out, int32_t* z_out) {
 #if defined(__AVX2__)
   const __m256 v0 = _mm256_loadu_ps(buf), v1 = _mm256_loadu_ps(buf + 8);
   const __m256 v2 = _mm256_loadu_ps(buf + 16), v3 = _mm256_loadu_ps(buf + 24);
@@ -90,12 +92,14 @@ inline void quantize_group(const float* buf, int8_t* c, float* d_out, float* s_o
   const float d = amax / 127.0f;
   *d_out = d;
   *s_out = d * static_cast<float>(sum);
+  if (z_out != nullptr) *z_out = -128 * sum;
 }
 
-// x [M, K] -> int8 codes [M, K], dx [M, G] and dx * sum of codes [M, G], per group of 32; rows in
-// parallel where there are enough of them (a prefill chunk's rows took a serial tenth of the call).
+// x [M, K] -> int8 codes [M, K], dx [M, G] and dx * sum of codes [M, G] (and with zs, -128 * sum
+// of codes [M, G]), per group of 32; rows in parallel where there are enough of them (a prefill
+// chunk's rows took a serial tenth of the call).
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* cx, float* dx, float* sx, int threads) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* cx, float* dx, float* sx, int32_t* zs, int threads) {
   const int64_t G = K / kGroup;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M * K >= 16384)
   for (int64_t r = 0; r < M; ++r) {
@@ -108,15 +112,32 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* cx, float* dx, floa
       } else {
         load_row(src, buf, kGroup);
       }
-      quantize_group(row, cx + r * K + g * kGroup, dx + r * G + g, sx + r * G + g);
+      quantize_group(row, cx + r * K + g * kGroup, dx + r * G + g, sx + r * G + g,
+                     zs == nullptr ? nullptr : zs + r * G + g);
     }
   }
 }
 
-// acc[i] (16 output rows of input row m0 + i) for one packed block, all groups.
+// The quantized input rows a call multiplies, from a row on: int8 codes [M, K] and per group of 32
+// their scale dx, dx * the sum of their codes (sx) and, for Q8_0 weights, -128 * that sum (zs).
+struct Rows {
+  const int8_t* cx;
+  const float* dx;
+  const float* sx;
+  const int32_t* zs;  // null unless the weights are Q8_0's (m = -128 d, see q8_linear)
+  int64_t K, G;
+
+  Rows from(int64_t r) const { return {cx + r * K, dx + r * G, sx + r * G, zs == nullptr ? nullptr : zs + r * G, K, G}; }
+};
+
 inline float scale_at(const float* p, int64_t i) { return p[i]; }
 inline float scale_at(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
 
+// Each kernel below computes, for one packed block of 16 output rows and input rows x, all groups:
+//   out[i] = sum_g d[g] * dx[i, g] * (c . cx)[i, g] + m[g] * sx[i, g]
+// or, with Sym (Q8_0: m = -128 d), sum_g d[g] * dx[i, g] * ((c . cx)[i, g] + zs[i, g]): the offset
+// is exact in the integer sum, and one float multiply-add a row and group fewer (the head's
+// q8_linear at 64 and 150 rows 0.90-0.92x the time), and no m to read.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_scales(const c10::Half* p) {
@@ -147,10 +168,11 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* x) {
 }
 
 // R (a compile-time count) input rows, so that their accumulators stay in registers; each row's
-// eight dot products of a group in two chains of four (a single chain waited on dpbusd's latency).
-template <int Bits, int R, typename S, typename T>
-void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
-                      const float* sx, int64_t K, int64_t G, T* out, int64_t ldo, bool fetch) {
+// eight dot products of a group in two chains of four (a single chain waited on dpbusd's latency;
+// from 4 rows on, one chain a row measured the same as two).
+template <int Bits, int R, bool Sym, typename S, typename T>
+void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const Rows& x, T* out, int64_t ldo, bool fetch) {
+  const int64_t K = x.K, G = x.G;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
 #pragma GCC unroll 16
@@ -170,19 +192,21 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
         w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
     }
-    const __m512 dv = load_scales(d + g * kLanes), mv = load_scales(mn + g * kLanes);
+    const __m512 dv = load_scales(d + g * kLanes);
+    __m512 mv = _mm512_setzero_ps();
+    if constexpr (!Sym) mv = load_scales(mn + g * kLanes);
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
-      const int8_t* xg = cx + i * K + g * kGroup;
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      const int8_t* xg = x.cx + i * K + g * kGroup;
+      __m512i s0 = Sym ? _mm512_set1_epi32(x.zs[i * G + g]) : _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
 #pragma GCC unroll 4
       for (int h = 0; h < 4; ++h) {
         s0 = dpbusd_bcast(s0, w[h], xg + h * 4);
         s1 = dpbusd_bcast(s1, w[h + 4], xg + (h + 4) * 4);
       }
       const __m512i s = _mm512_add_epi32(s0, s1);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(dx[i * G + g])), acc[i]);
-      acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[i * G + g]), acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(x.dx[i * G + g])), acc[i]);
+      if constexpr (!Sym) acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.sx[i * G + g]), acc[i]);
     }
   }
 #pragma GCC unroll 16
@@ -192,46 +216,45 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
 // Up to 16 rows in one tile for 4-bit codes, whose nibbles each tile unpacks again (16 rows of
 // SmolLM2's and the 1B shape's decoder 0.89-0.94x the time of two tiles of 8, bit-identical); 8
 // for bytes, which load as they are (16 took the 1B shape's head 1.37x the time at 16 rows, 1.09x at 64).
-template <int Bits, typename S, typename T>
-void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
-                const float* sx, int64_t rows, int64_t K, int64_t G, T* out, int64_t ldo, bool fetch) {
+template <int Bits, bool Sym, typename S, typename T>
+void block_rows(const uint8_t* wp, const S* d, const S* mn, Rows x, int64_t rows, T* out, int64_t ldo, bool fetch) {
   if constexpr (Bits == 8) {
     if (rows > 8) {
-      block_rows_fixed<Bits, 8>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-      cx += 8 * K, dx += 8 * G, sx += 8 * G, out += 8 * ldo, rows -= 8, fetch = false;
+      block_rows_fixed<Bits, 8, Sym>(wp, d, mn, x, out, ldo, fetch);
+      x = x.from(8), out += 8 * ldo, rows -= 8, fetch = false;
     }
   }
   switch (rows) {
-    case 1: return block_rows_fixed<Bits, 1>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    case 2: return block_rows_fixed<Bits, 2>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    case 3: return block_rows_fixed<Bits, 3>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    case 4: return block_rows_fixed<Bits, 4>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    case 5: return block_rows_fixed<Bits, 5>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    case 6: return block_rows_fixed<Bits, 6>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    case 7: return block_rows_fixed<Bits, 7>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    case 8: return block_rows_fixed<Bits, 8>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    case 9: return block_rows_fixed<Bits, 9>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    case 10: return block_rows_fixed<Bits, 10>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    case 11: return block_rows_fixed<Bits, 11>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    case 12: return block_rows_fixed<Bits, 12>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    case 13: return block_rows_fixed<Bits, 13>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    case 14: return block_rows_fixed<Bits, 14>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    case 15: return block_rows_fixed<Bits, 15>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
-    default: return block_rows_fixed<Bits, 16>(wp, d, mn, cx, dx, sx, K, G, out, ldo, fetch);
+    case 1: return block_rows_fixed<Bits, 1, Sym>(wp, d, mn, x, out, ldo, fetch);
+    case 2: return block_rows_fixed<Bits, 2, Sym>(wp, d, mn, x, out, ldo, fetch);
+    case 3: return block_rows_fixed<Bits, 3, Sym>(wp, d, mn, x, out, ldo, fetch);
+    case 4: return block_rows_fixed<Bits, 4, Sym>(wp, d, mn, x, out, ldo, fetch);
+    case 5: return block_rows_fixed<Bits, 5, Sym>(wp, d, mn, x, out, ldo, fetch);
+    case 6: return block_rows_fixed<Bits, 6, Sym>(wp, d, mn, x, out, ldo, fetch);
+    case 7: return block_rows_fixed<Bits, 7, Sym>(wp, d, mn, x, out, ldo, fetch);
+    case 8: return block_rows_fixed<Bits, 8, Sym>(wp, d, mn, x, out, ldo, fetch);
+    case 9: return block_rows_fixed<Bits, 9, Sym>(wp, d, mn, x, out, ldo, fetch);
+    case 10: return block_rows_fixed<Bits, 10, Sym>(wp, d, mn, x, out, ldo, fetch);
+    case 11: return block_rows_fixed<Bits, 11, Sym>(wp, d, mn, x, out, ldo, fetch);
+    case 12: return block_rows_fixed<Bits, 12, Sym>(wp, d, mn, x, out, ldo, fetch);
+    case 13: return block_rows_fixed<Bits, 13, Sym>(wp, d, mn, x, out, ldo, fetch);
+    case 14: return block_rows_fixed<Bits, 14, Sym>(wp, d, mn, x, out, ldo, fetch);
+    case 15: return block_rows_fixed<Bits, 15, Sym>(wp, d, mn, x, out, ldo, fetch);
+    default: return block_rows_fixed<Bits, 16, Sym>(wp, d, mn, x, out, ldo, fetch);
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-// R (a compile-time count) input rows, so that their accumulators stay in registers.
 inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load_scales(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// 8-bit codes are split into their nibbles here: maddubs sums two u8 x s8 products in int16, which
+// R (a compile-time count) input rows, so that their accumulators stay in registers. 8-bit codes
+// are split into their nibbles here: maddubs sums two u8 x s8 products in int16, which
 // 255 * 127 * 2 overflows.
-template <int Bits, int R, typename S, typename T>
-void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
-                      const float* sx, int64_t K, int64_t G, T* out, int64_t ldo, bool fetch) {
+template <int Bits, int R, bool Sym, typename S, typename T>
+void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const Rows& x, T* out, int64_t ldo, bool fetch) {
+  const int64_t K = x.K, G = x.G;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int half = 0; half < 2; ++half) {  // lanes 0-7, then 8-15 of the 16-row block
     __m256 acc[R];
@@ -256,9 +279,10 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
         }
       }
       const __m256 dv = load_scales(d + g * kLanes + half * 8);
-      const __m256 mv = load_scales(mn + g * kLanes + half * 8);
+      __m256 mv = _mm256_setzero_ps();
+      if constexpr (!Sym) mv = load_scales(mn + g * kLanes + half * 8);
       for (int i = 0; i < R; ++i) {
-        const int8_t* xg = cx + i * K + g * kGroup;
+        const int8_t* xg = x.cx + i * K + g * kGroup;
         // each maddubs pair sum is at most 2 * 15 * 127: eight of them still fit in int16
         __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load_i32(xg)));
         for (int h = 1; h < 8; ++h)
@@ -270,8 +294,9 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
             h16 = _mm256_add_epi16(h16, _mm256_maddubs_epi16(hi[h], _mm256_set1_epi32(load_i32(xg + h * 4))));
           s = _mm256_add_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(h16, ones), 4));
         }
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * G + g])), acc[i]);
-        acc[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[i * G + g]), acc[i]);
+        if constexpr (Sym) s = _mm256_add_epi32(s, _mm256_set1_epi32(x.zs[i * G + g]));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(x.dx[i * G + g])), acc[i]);
+        if constexpr (!Sym) acc[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.sx[i * G + g]), acc[i]);
       }
     }
     for (int i = 0; i < R; ++i) {
@@ -284,32 +309,31 @@ void block_rows_fixed(const uint8_t* wp, const S* d, const S* mn, const int8_t* 
 
 // Tiles of 4 rows: with 8, the 16 AVX2 registers cannot hold the weights and accumulators and the
 // compiler spills (single thread, SmolLM2 shapes: 4 rows per tile 5-23% faster than 8 at 1-64 rows).
-template <int Bits, typename S, typename T>
-void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
-                const float* sx, int64_t rows, int64_t K, int64_t G, T* out, int64_t ldo, bool fetch) {
+template <int Bits, bool Sym, typename S, typename T>
+void block_rows(const uint8_t* wp, const S* d, const S* mn, Rows x, int64_t rows, T* out, int64_t ldo, bool fetch) {
   int64_t i = 0;
   for (; i + 4 <= rows; i += 4, fetch = false)
-    block_rows_fixed<Bits, 4>(wp, d, mn, cx + i * K, dx + i * G, sx + i * G, K, G, out + i * ldo, ldo, fetch);
-  const int8_t* c = cx + i * K;
+    block_rows_fixed<Bits, 4, Sym>(wp, d, mn, x.from(i), out + i * ldo, ldo, fetch);
+  const Rows rest = x.from(i);
   T* o = out + i * ldo;
   switch (rows - i) {
-    case 1: block_rows_fixed<Bits, 1>(wp, d, mn, c, dx + i * G, sx + i * G, K, G, o, ldo, fetch); break;
-    case 2: block_rows_fixed<Bits, 2>(wp, d, mn, c, dx + i * G, sx + i * G, K, G, o, ldo, fetch); break;
-    case 3: block_rows_fixed<Bits, 3>(wp, d, mn, c, dx + i * G, sx + i * G, K, G, o, ldo, fetch); break;
+    case 1: block_rows_fixed<Bits, 1, Sym>(wp, d, mn, rest, o, ldo, fetch); break;
+    case 2: block_rows_fixed<Bits, 2, Sym>(wp, d, mn, rest, o, ldo, fetch); break;
+    case 3: block_rows_fixed<Bits, 3, Sym>(wp, d, mn, rest, o, ldo, fetch); break;
     default: break;
   }
 }
 #else
-template <int Bits, typename S, typename T>
-void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, const float* dx,
-                const float* sx, int64_t rows, int64_t K, int64_t G, T* out, int64_t ldo, bool /*fetch*/) {
+template <int Bits, bool Sym, typename S, typename T>
+void block_rows(const uint8_t* wp, const S* d, const S* mn, Rows x, int64_t rows, T* out, int64_t ldo, bool /*fetch*/) {
+  const int64_t K = x.K, G = x.G;
   for (int64_t i = 0; i < rows; ++i) {
     float acc[kLanes] = {};
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* wg = wp + g * Bits * 64;
-      const int8_t* xg = cx + i * K + g * kGroup;
+      const int8_t* xg = x.cx + i * K + g * kGroup;
       for (int64_t lane = 0; lane < kLanes; ++lane) {
-        int32_t s = 0;
+        int32_t s = Sym ? x.zs[i * G + g] : 0;
         for (int h = 0; h < 4; ++h)
           for (int b = 0; b < 4; ++b) {
             if constexpr (Bits == 8) {
@@ -319,8 +343,8 @@ void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, co
               s += (byte & 0x0F) * xg[h * 4 + b] + (byte >> 4) * xg[(h + 4) * 4 + b];
             }
           }
-        acc[lane] += static_cast<float>(s) * (scale_at(d, g * kLanes + lane) * dx[i * G + g]) +
-                     scale_at(mn, g * kLanes + lane) * sx[i * G + g];
+        acc[lane] += static_cast<float>(s) * (scale_at(d, g * kLanes + lane) * x.dx[i * G + g]);
+        if constexpr (!Sym) acc[lane] += scale_at(mn, g * kLanes + lane) * x.sx[i * G + g];
       }
     }
     store_row(acc, out + i * ldo, kLanes);
@@ -328,16 +352,19 @@ void block_rows(const uint8_t* wp, const S* d, const S* mn, const int8_t* cx, co
 }
 #endif
 
+// Sym: 8-bit codes of Q8_0 weights, whose m (-128 d) the caller leaves out (mn empty).
 template <int Bits>
 void coded_linear(const char* name, at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                   const at::Tensor& d, const at::Tensor& mn) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be [M, K], contiguous");
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
   TORCH_CHECK(K % kGroup == 0, name, ": K must be a multiple of ", kGroup);
+  const bool sym = Bits == 8 && mn.numel() == 0;
   TORCH_CHECK(d.dim() == 3 && d.size(1) == G && d.size(2) == kLanes &&
                   (d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf) && d.is_contiguous() &&
-                  mn.sizes() == d.sizes() && mn.scalar_type() == d.scalar_type() && mn.is_contiguous(),
-              name, ": d and m must be float32 or float16 [N / 16, K / 32, 16], contiguous, of one dtype");
+                  (sym || (mn.sizes() == d.sizes() && mn.is_contiguous())) && mn.scalar_type() == d.scalar_type(),
+              name, ": d and m must be float32 or float16 [N / 16, K / 32, 16], contiguous, of one dtype",
+              Bits == 8 ? " (m may be empty: Q8_0's -128 d)" : "");
   const int64_t blocks = d.size(0), N = blocks * kLanes;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == N * K * Bits / 8,
               name, ": packed must be uint8 with N * K * ", Bits, " / 8 bytes, contiguous");
@@ -347,10 +374,12 @@ void coded_linear(const char* name, at::Tensor& out, const at::Tensor& x, const 
   // uninitialised: every byte is written before it is read
   std::unique_ptr<int8_t[]> cx(new int8_t[M * K]);
   std::unique_ptr<float[]> dx(new float[M * G]), sx(new float[M * G]);
+  std::unique_ptr<int32_t[]> zs(sym ? new int32_t[M * G] : nullptr);
   dispatch_float_types(x.scalar_type(), name, [&](auto tag) {
     using scalar_t = decltype(tag);
-    quantize_rows(x.data_ptr<scalar_t>(), M, K, cx.get(), dx.get(), sx.get(), at::get_num_threads());
+    quantize_rows(x.data_ptr<scalar_t>(), M, K, cx.get(), dx.get(), sx.get(), zs.get(), at::get_num_threads());
   });
+  const Rows rows_all{cx.get(), dx.get(), sx.get(), zs.get(), K, G};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks / 4)));
   // Each thread takes a range of blocks and walks it once per chunk of rows, the chunk's int8 rows
@@ -358,7 +387,8 @@ void coded_linear(const char* name, at::Tensor& out, const at::Tensor& x, const 
   // streamed a long prompt's rows through L2 once per block.
   const int64_t chunk = std::max<int64_t>(kRowTile, kChunkBytes / K / kRowTile * kRowTile);
   const bool fetch = M <= kFetchRows;
-  auto run = [&](const auto* dp, const auto* mp, auto* op) {
+  auto run = [&](auto sym_tag, const auto* dp, const auto* mp, auto* op) {
+    constexpr bool kSym = decltype(sym_tag)::value;
 #pragma omp parallel num_threads(threads)
     {
       const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -368,19 +398,24 @@ void coded_linear(const char* name, at::Tensor& out, const at::Tensor& x, const 
         for (int64_t b = b0; b < b1; ++b) {
           for (int64_t m0 = c0; m0 < c1; m0 += kRowTile) {
             const int64_t rows = std::min(kRowTile, c1 - m0);
-            block_rows<Bits>(wp + b * G * Bits * 64, dp + b * G * kLanes, mp + b * G * kLanes, cx.get() + m0 * K,
-                             dx.get() + m0 * G, sx.get() + m0 * G, rows, K, G, op + m0 * N + b * kLanes, N,
-                             fetch && m0 == c0);
+            block_rows<Bits, kSym>(wp + b * G * Bits * 64, dp + b * G * kLanes, kSym ? mp : mp + b * G * kLanes,
+                                   rows_all.from(m0), rows, op + m0 * N + b * kLanes, N, fetch && m0 == c0);
           }
         }
       }
     }
   };
   auto with_out = [&](const auto* dp, const auto* mp) {
-    if (out.scalar_type() == at::kFloat) return run(dp, mp, out.data_ptr<float>());
+    auto go = [&](auto* op) {
+      if constexpr (Bits == 8) {
+        if (sym) return run(std::true_type{}, dp, mp, op);
+      }
+      run(std::false_type{}, dp, mp, op);
+    };
+    if (out.scalar_type() == at::kFloat) return go(out.data_ptr<float>());
     dispatch_float_types(out.scalar_type(), name, [&](auto tag) {
       using out_t = decltype(tag);
-      run(dp, mp, out.data_ptr<out_t>());
+      go(out.data_ptr<out_t>());
     });
   };
   // float16 scales (GGUF's own precision) read a third fewer bytes than float32 ones
@@ -400,7 +435,8 @@ void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
 }
 
 // The same for 8-bit codes 0..255 (kernels/reference.py's q8_pack): GGUF's Q8_0 (w = s * c, c in
-// -127..127) is d = s, m = -128 s on the codes c + 128.
+// -127..127) is d = s, m = -128 s on the codes c + 128; an empty mn says so, and the kernel then adds
+// -128 * the sum of each group's input codes to its integer dot product instead of a float m term.
 void q8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                const at::Tensor& mn) {
   coded_linear<8>("q8_linear", out, x, packed, d, mn);
