@@ -217,7 +217,10 @@ def point(target: Target, plan: Point, args, tokenizer) -> dict:
             "tpot_s": stats([r.tpot for r in done if r.tpot is not None]),
             "prompt_tokens": stats([r.prompt_len for r in done]),
             "prefill_tok_s": stats([r.prompt_len / r.ttft for r in done if r.ttft]),
-            "duration_s": outcome.duration_s}
+            "duration_s": outcome.duration_s,
+            # every request in send order: when it was sent (s after the point began), its TTFT and
+            # end-to-end latency (s), its prompt tokens; where a ratio looks odd, this shows why
+            "timeline": [[r.start, r.ttft, r.e2e, r.prompt_len] for r in sorted(outcome.results, key=lambda r: r.start)]}
 
 
 def per_slot_context(args) -> int:
