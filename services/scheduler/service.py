@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import time
@@ -115,6 +116,11 @@ HELLO_INTERVAL_S = 0.5
 STATS_INTERVAL_S = 0.05  # heartbeats go out every 0.25 s: fresher stats would go unseen
 STALL_TIMEOUT_S = 30.0  # a gateway that reads nothing for this long loses its requests
 BACKLOG_POLL_MS = 5  # how soon a gateway's backlog is retried
+# The step after the one in flight is built this share of the last step's time into it (at most
+# AHEAD_MAX_DELAY_S), not as soon as that one starts: see `_ahead_due`.
+AHEAD_FRACTION = 0.8
+AHEAD_MAX_DELAY_S = 0.03
+AHEAD_MIN_STEP_S = 0.01  # steps shorter than this get theirs at once
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,7 @@ class SchedulerService:
         # steps sent and not answered, oldest first: two while one is built ahead of the other's result
         self.in_flight: deque[StepInFlight] = deque()
         self.result_at: float | None = None  # when the last step's result came, while work kept waiting
+        self.last_step_s: float | None = None  # how long the executor took for the last step answered
         self.executor_lost: str | None = None  # why, while the executor does not answer
         self.executor_warm = False  # it answered a step since it announced itself
         self.pending: list[tuple[bytes, TokenizedRequest]] = []  # before the executor is up
@@ -256,6 +263,7 @@ class SchedulerService:
         # a step sent ahead began when the executor was done with the one before
         started = step.started if self.result_at is None else max(step.started, self.result_at)
         self.result_at = time.perf_counter()
+        self.last_step_s = self.result_at - started
         self.executor_warm = True
         drafts = self.scheduler.expected_drafts(chunks)
         accepted = msg.num_accepted if isinstance(msg, StepResult) else []
@@ -420,6 +428,28 @@ class SchedulerService:
         self.steps_out.send(step)
         self.in_flight.append(StepInFlight(step.step_id, chunks, started))
 
+    def _ahead_due(self) -> float | None:
+        """When to build the step after the one in flight (perf_counter), or None when none is to be
+        built now (not one step in flight, no async scheduling, no executor).
+
+        Built late in the step in flight, not as it starts, the next step takes in what arrived
+        meanwhile: a user whose request finished comes back with its next prompt ~20 ms after its
+        last token, during the next step. Built at once, the step after was already sent without
+        that prompt, so it started a step later, and a running sequence finishing in that step
+        queued behind it: in a closed loop of 8 users with 1.5-2K-token prompts, each prompt then
+        waited for two others' prefill instead of one (TTFT p50 3.1-3.4 s against 2.2 s with no
+        step built ahead). `AHEAD_FRACTION` of the last step's time leaves the building itself time
+        to finish before the step in flight does; a step that ends sooner is followed by one
+        built after its result, as without async scheduling."""
+        if len(self.in_flight) != 1 or not self.args.async_scheduling or self.executor_lost is not None:
+            return None
+        began = self.in_flight[0].started if self.result_at is None else max(self.in_flight[0].started,
+                                                                               self.result_at)
+        last = self.last_step_s
+        if last is None or last < AHEAD_MIN_STEP_S:
+            return began
+        return began + min(AHEAD_FRACTION * last, AHEAD_MAX_DELAY_S)
+
     def serve(self) -> None:
         self.heartbeat.start()
         stalled = False  # work is queued but nothing fits until something changes
@@ -433,7 +463,11 @@ class SchedulerService:
             idle_ms = BACKLOG_POLL_MS if self.outbox.held else 100
             if self.watch.active:
                 idle_ms = min(idle_ms, int(self.watch.interval_s * 1000))
-            ready = wait_readable([self.requests_in, self.results_in], 0 if can_step and not stalled else idle_ms)
+            timeout_ms = 0 if can_step and not stalled else idle_ms
+            due = self._ahead_due()
+            if due is not None and due > time.perf_counter():  # (past it, messages wake the loop as before)
+                timeout_ms = min(timeout_ms, math.ceil((due - time.perf_counter()) * 1000))
+            ready = wait_readable([self.requests_in, self.results_in], timeout_ms)
             stalled = stalled and not ready
             if self.requests_in in ready:
                 received = self.requests_in.recv_nowait()
@@ -470,7 +504,8 @@ class SchedulerService:
                 stalled = scheduled is None
                 if scheduled is not None:
                     self._send_step(*scheduled, started)
-            if len(self.in_flight) == 1 and self.args.async_scheduling and self.executor_lost is None:
+            due = self._ahead_due()
+            if due is not None and time.perf_counter() >= due:
                 ahead = self.scheduler.schedule_ahead(self.in_flight[0].chunks)
                 self._report_failures()
                 if ahead is not None:

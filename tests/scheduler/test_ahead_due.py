@@ -1,0 +1,43 @@
+"""When the scheduler stage builds the step after the one in flight (`SchedulerService._ahead_due`):
+late in that step, so that it takes in what arrived meanwhile, early enough to be ready before it ends."""
+
+from collections import deque
+from types import SimpleNamespace
+
+from services.scheduler import service
+from services.scheduler.service import SchedulerService, StepInFlight
+
+
+def stage(in_flight: int = 1, last_step_s: float | None = 0.033, result_at: float | None = 100.0,
+          started: float = 99.0, async_scheduling: bool = True, executor_lost: str | None = None):
+    steps = deque(StepInFlight(i, [], started) for i in range(in_flight))
+    return SimpleNamespace(in_flight=steps, args=SimpleNamespace(async_scheduling=async_scheduling),
+                           executor_lost=executor_lost, result_at=result_at, last_step_s=last_step_s)
+
+
+def due(**kwargs) -> float | None:
+    return SchedulerService._ahead_due(stage(**kwargs))
+
+
+def test_built_late_in_the_step_in_flight():
+    # the step in flight began when the result before it came (100.0): its successor is built
+    # AHEAD_FRACTION of the last step's time into it
+    assert due(last_step_s=0.025) == 100.0 + service.AHEAD_FRACTION * 0.025
+    # sent after that result (built at once, not ahead): it began when it was sent
+    assert due(started=100.5, last_step_s=0.025) == 100.5 + service.AHEAD_FRACTION * 0.025
+
+
+def test_long_steps_wait_at_most_the_cap():
+    assert due(last_step_s=1.2) == 100.0 + service.AHEAD_MAX_DELAY_S
+
+
+def test_short_or_unknown_steps_get_their_successor_at_once():
+    assert due(last_step_s=0.006) == 100.0  # a C=1 decode step: nothing to wait for
+    assert due(last_step_s=None, result_at=None, started=7.0) == 7.0
+
+
+def test_none_unless_one_step_in_flight_with_async_scheduling():
+    assert due(in_flight=0) is None
+    assert due(in_flight=2) is None
+    assert due(async_scheduling=False) is None
+    assert due(executor_lost="no answer") is None
