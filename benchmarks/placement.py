@@ -56,6 +56,7 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "threads-1": (("--executor-threads", "1"), {}),
     "nice": (("--frontend-nice", "10"), {}),
     "sync": (("--no-async-scheduling",), {}),
+    "ahead-late": (("--ahead-fraction", "0.8"), {}),  # the next step built late in the one in flight
     "unpinned": (("--cpu-placement", "off"), {}),
 }
 INT4_ROWS = re.compile(r"int4 linears serve (?:steps of at most (\d+) tokens|(every step))")

@@ -9,9 +9,11 @@ from services.scheduler.service import SchedulerService, StepInFlight
 
 
 def stage(in_flight: int = 1, last_step_s: float | None = 0.033, result_at: float | None = 100.0,
-          started: float = 99.0, async_scheduling: bool = True, executor_lost: str | None = None):
+          started: float = 99.0, async_scheduling: bool = True, executor_lost: str | None = None,
+          ahead_fraction: float = 0.8):
     steps = deque(StepInFlight(i, [], started) for i in range(in_flight))
-    return SimpleNamespace(in_flight=steps, args=SimpleNamespace(async_scheduling=async_scheduling),
+    args = SimpleNamespace(async_scheduling=async_scheduling, ahead_fraction=ahead_fraction)
+    return SimpleNamespace(in_flight=steps, args=args,
                            executor_lost=executor_lost, result_at=result_at, last_step_s=last_step_s)
 
 
@@ -21,10 +23,11 @@ def due(**kwargs) -> float | None:
 
 def test_built_late_in_the_step_in_flight():
     # the step in flight began when the result before it came (100.0): its successor is built
-    # AHEAD_FRACTION of the last step's time into it
-    assert due(last_step_s=0.025) == 100.0 + service.AHEAD_FRACTION * 0.025
+    # --ahead-fraction of the last step's time into it
+    assert due(last_step_s=0.025) == 100.0 + 0.8 * 0.025
     # sent after that result (built at once, not ahead): it began when it was sent
-    assert due(started=100.5, last_step_s=0.025) == 100.5 + service.AHEAD_FRACTION * 0.025
+    assert due(started=100.5, last_step_s=0.025) == 100.5 + 0.8 * 0.025
+    assert due(last_step_s=0.025, ahead_fraction=0.0) == 100.0  # as the step starts
 
 
 def test_long_steps_wait_at_most_the_cap():
