@@ -259,8 +259,7 @@ class SchedulerService:
             return  # a step from before an executor restart
         step = self.in_flight.popleft()
         chunks = step.chunks
-        # a step sent ahead began when the executor was done with the one before
-        started = step.started if self.result_at is None else max(step.started, self.result_at)
+        started = self._began(step)
         self.result_at = time.perf_counter()
         self.last_step_s = self.result_at - started
         self.executor_warm = True
@@ -427,6 +426,10 @@ class SchedulerService:
         self.steps_out.send(step)
         self.in_flight.append(StepInFlight(step.step_id, chunks, started))
 
+    def _began(self, step: StepInFlight) -> float:
+        """When the executor began `step`: a step sent ahead, when it was done with the one before."""
+        return step.started if self.result_at is None else max(step.started, self.result_at)
+
     def _ahead_due(self) -> float | None:
         """When to build the step after the one in flight (perf_counter), or None when none is to be
         built now (not one step in flight, no async scheduling, no executor).
@@ -444,8 +447,7 @@ class SchedulerService:
         and ahead-late, two runs of 2 rounds)."""
         if len(self.in_flight) != 1 or not self.args.async_scheduling or self.executor_lost is not None:
             return None
-        began = self.in_flight[0].started if self.result_at is None else max(self.in_flight[0].started,
-                                                                               self.result_at)
+        began = self._began(self.in_flight[0])
         last = self.last_step_s
         if last is None or last < AHEAD_MIN_STEP_S:
             return began

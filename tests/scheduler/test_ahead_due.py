@@ -18,7 +18,9 @@ def stage(in_flight: int = 1, last_step_s: float | None = 0.033, result_at: floa
 
 
 def due(**kwargs) -> float | None:
-    return SchedulerService._ahead_due(stage(**kwargs))
+    st = stage(**kwargs)
+    st._began = lambda step: SchedulerService._began(st, step)
+    return SchedulerService._ahead_due(st)
 
 
 def test_built_late_in_the_step_in_flight():
