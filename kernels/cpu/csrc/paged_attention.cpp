@@ -9,8 +9,8 @@
 // so grouped-query attention reads each K/V block once per tile and never copies it
 // per head. Work is the sequence's own context (blocks past the tile's last position,
 // or before its sliding window, are never touched); items run in parallel on torch's
-// OpenMP threads with dynamic scheduling, as contexts differ, each thread claiming its next
-// item before it runs the current one, which fetches the next one's first blocks into L2
+// OpenMP threads with dynamic scheduling, as contexts differ (a tile's KV heads claimed together
+// where tiles outnumber threads), each thread claiming its next item before it runs the current one, which fetches the next one's first blocks into L2
 // (`NextItemFetch`): blocks lie anywhere in the pool, where no hardware prefetcher finds
 // them, and a decode item computes in less time than DRAM takes to deliver it. The entry point checks every
 // block id a context reads against the pool, and each context against its table, once per
@@ -784,12 +784,24 @@ std::vector<WorkItem> items;
       s.k.resize(block_size * head_dim);  // keys, transposed
       s.v.resize(block_size * head_dim);
       // dynamic scheduling, one item claimed ahead so that the running one can fetch its blocks
+      // Each thread claims a tile's KV heads together, where there are enough tiles to go round, and
+      // runs them one after another: they read interleaved rows of the same blocks, which DRAM then
+      // streams to one core instead of two (Xeon with AMX, decode from DRAM: 0.81x the time at 64
+      // sequences x 200 tokens, 0.90x at 16 x 1,000, 0.90-0.97x at 2 x 4,000 to 8 x 1,000). With
+      // fewer tiles than threads the heads go round one by one (1 x 8,000 grouped took 1.6x).
+      const int64_t unit = n_items / num_kv_heads >= omp_get_num_threads() ? num_kv_heads : 1;
       int64_t i, next;
 #pragma omp atomic capture
       i = claimed++;
+      i *= unit;
       for (; i < n_items; i = next) {
+        if ((i + 1) % unit != 0) {
+          next = i + 1;
+        } else {
 #pragma omp atomic capture
-        next = claimed++;
+          next = claimed++;
+          next *= unit;
+        }
         s.next = next < n_items ? &items[next] : nullptr;
         run_item(items[i], s, q, query.stride(0), query.stride(1), kc, vc, o, out.stride(0), out.stride(1), tab_p,
                  tables.size(1), qsl_p, ctx_p, group, num_kv_heads, head_dim, block_size, static_cast<float>(scale),
