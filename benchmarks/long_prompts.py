@@ -14,6 +14,7 @@ prompt length, attention's FLOPs counted (benchmarks/machine.py: prefill_ceiling
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 from dataclasses import dataclass
@@ -68,14 +69,24 @@ def points(source: list[str], tokenizer, prompt_ranges: list[tuple[int, int]], c
         stream = long_prompts(source, tokenizer, random.Random(f"{seed}:long:{low}-{high}"), low, high, output_len)
         warm = long_prompts(source, tokenizer, random.Random(f"{seed}:long-warmup:{low}-{high}"), low, high,
                             output_len)
-        warmup = [next(warm) for _ in range(n_warmup)]
+        warmup = _take(warm, n_warmup, low, high)
         for c in concurrencies:
-            reqs = [next(stream) for _ in range(n_requests(c))]
+            reqs = _take(stream, n_requests(c), low, high)
             out.append(Point(point_key((low, high), c), c, reqs, warmup, (low, high)))
         for rate in rates:
-            reqs = [next(stream) for _ in range(n_rate_requests)]
+            reqs = _take(stream, n_rate_requests, low, high)
             out.append(Point(point_key((low, high), 0, rate), 0, reqs, warmup, (low, high), rate))
     return out
+
+
+def _take(stream, n: int, low: int, high: int) -> list:
+    """The stream's next n requests; a clear error where the texts run out first."""
+    reqs = list(itertools.islice(stream, n))
+    if len(reqs) < n:
+        raise SystemExit(f"the prompt texts ran out: {len(reqs)} of the {n} prompts of {low}-{high} tokens a point "
+                         "needs (install the sharegpt extra, `pip install -e '.[sharegpt]'`, or ask for fewer "
+                         "requests or ranges)")
+    return reqs
 
 
 def point_key(prompt_range: tuple[int, int], concurrency: int, rate: float | None = None) -> str:

@@ -33,6 +33,11 @@ def test_each_range_and_concurrency_gets_its_own_prompts_in_range():
         assert not {r.prompt for r in p.warmup} & set(prompts)
 
 
+def test_texts_running_out_is_a_clear_error():
+    with pytest.raises(SystemExit, match="ran out: 1 of the 3 prompts of 60-80 tokens"):
+        long_prompts.points(texts(5), WordTokenizer(), [(60, 80)], [1], lambda c: 3, 0, 8)
+
+
 def test_long_defaults_and_every_server_takes_prompt_plus_output():
     args = long_args()
     assert args.output_len == 128 and args.concurrency == [1, 8] and args.warmup == 1 and args.no_lean
