@@ -56,7 +56,9 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "threads-1": (("--executor-threads", "1"), {}),
     "nice": (("--frontend-nice", "10"), {}),
     "sync": (("--no-async-scheduling",), {}),
-    "ahead-late": (("--ahead-fraction", "0.8"), {}),  # the next step built late in the one in flight
+    # the next step built late in the one in flight whatever the prompts' length, or always at once
+    "ahead-late": (("--ahead-long-prompts", "0"), {}),
+    "ahead-now": (("--ahead-fraction", "0"), {}),
     "unpinned": (("--cpu-placement", "off"), {}),
 }
 INT4_ROWS = re.compile(r"int4 linears serve (?:steps of at most (\d+) tokens|(every step))")

@@ -32,11 +32,12 @@ class SchedulerOptions:
                             choices=KV_POLICIES)
     async_scheduling: bool = option(True, "build each step only once the previous one's result is back (by default "
                                           "the next step is built and sent while the executor runs the current one)")
-    ahead_fraction: float = option(0.0, "with async scheduling, build the next step this share of the last "
-                                        "step's time into the one in flight (at most 30 ms in), so that it takes "
-                                        "in prompts that arrived meanwhile (0.8: long prompts' TTFT in a closed "
-                                        "loop of 8 0.66x, but 0.87-0.97x the tok/s at 16-64 users); 0 builds it "
-                                        "as the step starts")
+    ahead_fraction: float = option(0.8, "with async scheduling and long prompts (below), build the next step "
+                                        "this share of the last step's time into the one in flight (at most "
+                                        "30 ms in), so that it takes in prompts that arrived meanwhile; 0 "
+                                        "builds it as the step starts")
+    ahead_long_prompts: float = option(0.5, "prompts count as long (--ahead-fraction applies) while they "
+                                            "average at least this share of a step's token budget; 0: always")
     step_timeout: float = option(STEP_TIMEOUT_S, "seconds the executor may take to answer a step before it is "
                                                  "treated as lost (its requests are recomputed when it answers "
                                                  f"again); {WARMUP_FACTOR}x that for the first step after it "

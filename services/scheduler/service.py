@@ -120,6 +120,7 @@ BACKLOG_POLL_MS = 5  # how soon a gateway's backlog is retried
 # most AHEAD_MAX_DELAY_S), not as soon as that one starts: see `_ahead_due`.
 AHEAD_MAX_DELAY_S = 0.03
 AHEAD_MIN_STEP_S = 0.01  # steps shorter than this get theirs at once
+PROMPT_AVERAGE_WEIGHT = 0.25  # each new prompt's weight in the running average of prompt lengths
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class SchedulerService:
         self.in_flight: deque[StepInFlight] = deque()
         self.result_at: float | None = None  # when the last step's result came, while work kept waiting
         self.last_step_s: float | None = None  # how long the executor took for the last step answered
+        self.prompt_average = 0.0  # prompt tokens of the requests received, a running average
         self.executor_lost: str | None = None  # why, while the executor does not answer
         self.executor_warm = False  # it answered a step since it announced itself
         self.pending: list[tuple[bytes, TokenizedRequest]] = []  # before the executor is up
@@ -328,6 +330,10 @@ class SchedulerService:
             self._reply(peer, RequestError(msg.request_id, 400, problem))
             return
         self.scheduler.add_request(req)
+        self._note_prompt(len(msg.prompt_token_ids))
+
+    def _note_prompt(self, tokens: int) -> None:
+        self.prompt_average += PROMPT_AVERAGE_WEIGHT * (tokens - self.prompt_average)
 
     def on_end(self, msg: AbortRequest | FinishRequest) -> None:
         """End a request (or one sample): no reply, the gateway that sent it ends the stream
@@ -442,16 +448,27 @@ class SchedulerService:
         waited for two others' prefill instead of one (TTFT p50 3.1-3.4 s against 2.2 s with no
         step built ahead). `--ahead-fraction` of the last step's time leaves the building itself time
         to finish before the step in flight does; a step that ends sooner is followed by one
-        built after its result, as without async scheduling. Off by default (0): with short prompts
-        at 16 and 64 users 0.8 read 0.87-0.97x the tok/s (`benchmarks.placement`, variants default
-        and ahead-late, two runs of 2 rounds)."""
+        built after its result, as without async scheduling.
+
+        Only while prompts are long (`_prompts_long`): short prompts share a step, so one that
+        misses a step waits one decode step, not another's prefill, and there the late build cost
+        throughput (0.8 with prompts under 160 tokens: 0.87-0.97x the tok/s at 16 and 64 users,
+        `benchmarks.placement`, variants default and ahead-late)."""
         if len(self.in_flight) != 1 or not self.args.async_scheduling or self.executor_lost is not None:
             return None
         began = self._began(self.in_flight[0])
         last = self.last_step_s
-        if last is None or last < AHEAD_MIN_STEP_S:
+        if last is None or last < AHEAD_MIN_STEP_S or not self._prompts_long():
             return began
         return began + min(self.args.ahead_fraction * last, AHEAD_MAX_DELAY_S)
+
+    def _prompts_long(self) -> bool:
+        """Whether the recent prompts average at least --ahead-long-prompts of a step's token budget:
+        prompts that cannot share a step with another."""
+        if self.scheduler is None:
+            return False
+        share = self.args.ahead_long_prompts
+        return self.prompt_average >= share * self.scheduler.config.max_num_batched_tokens
 
     def serve(self) -> None:
         self.heartbeat.start()
