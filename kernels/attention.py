@@ -45,6 +45,10 @@ class AttentionBackend:
     q4_linear: Callable | None = None
     # the same for 8-bit codes (kernels.reference.q8_linear); None: not offered
     q8_linear: Callable | None = None
+    # q4_linear's arguments, bfloat16 x times the weights dequantized to bfloat16 (kernels.reference.q4_linear_tiles),
+    # faster than q4_linear from q4_tiles_min_rows rows on; None: not offered
+    q4_linear_tiles: Callable | None = None
+    q4_tiles_min_rows: int = 0
 
 
 _BACKENDS: dict[str, AttentionBackend] = {

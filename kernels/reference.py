@@ -236,6 +236,22 @@ def q4_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor) -> Tensor:
     return _coded_linear(x, q4_unpack(packed, blocks * lanes, groups * 32), d, mn).to(x.dtype)
 
 
+def q4_dequantize(packed: Tensor, d: Tensor, mn: Tensor) -> Tensor:
+    """The bfloat16 weight [N, K] of a packed Q4_1 weight: d * code + m in float32, rounded once."""
+    blocks, groups, lanes = d.shape
+    n, k = blocks * lanes, groups * 32
+    codes = q4_unpack(packed, n, k).float().view(n, groups, 32)
+    scale = d.float().transpose(1, 2).reshape(n, groups, 1)
+    low = mn.float().transpose(1, 2).reshape(n, groups, 1)
+    return torch.addcmul(low, codes, scale).view(n, k).bfloat16()
+
+
+def q4_linear_tiles(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor) -> Tensor:
+    """What the CPU kernel of that name computes: bfloat16 x @ q4_dequantize(...).T summed in float32
+    (here in float64, so the kernel differs by its float32 rounding), rounded to x's dtype."""
+    return (x.double() @ q4_dequantize(packed, d, mn).double().t()).float().to(x.dtype)
+
+
 def q8_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor, out: Tensor | None = None) -> Tensor:
     """q4_linear for 8-bit codes (`q8_pack`); into out (float32, or x's dtype) when given. An empty
     mn stands for Q8_0's -128 d (codes c + 128 of w = d * c)."""

@@ -153,6 +153,9 @@ def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int 
         int8_group_linear=int8_group_linear,
         q4_linear=coded_linear("q4_linear"),  # Q4_1 codes (kernels.reference.q4_pack)
         q8_linear=coded_linear("q8_linear"),  # 8-bit codes (kernels.reference.q8_pack)
+        # Q4_1 on AMX tiles (kernels.reference.q4_linear_tiles), for bfloat16 steps of many rows
+        q4_linear_tiles=coded_linear("q4_linear_tiles") if ext.q4_linear_tiles_rows() else None,
+        q4_tiles_min_rows=ext.q4_linear_tiles_rows(),
     )
 
 

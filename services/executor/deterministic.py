@@ -13,7 +13,8 @@ kernel by the step's row count M:
 The mode fixes one path per linear, the same for every row count:
 
 - a decoder linear or head whose quantized copy runs by the C++ `q4_linear` or `q8_linear`
-  (`Q4Weight`, `Q8Weight`) keeps that copy for every step: it quantizes each input row on its own and
+  (`Q4Weight`, `Q8Weight`) keeps that copy for every step, by the integer kernel alone (not
+  `q4_linear_tiles`, which serves large steps otherwise): it quantizes each input row on its own and
   sums each output over its groups in one fixed order, split over threads by output columns
   only, so a row's result depends on nothing else (nor on the thread count);
 - every other linear (no quantized copy, or torch's int4/int8 kernels, whose blocking is
@@ -65,7 +66,7 @@ def make_batch_invariant(model, tile: int = TILE_ROWS) -> list[str]:
     kept = tiled = 0
     for linear in model.decoder_linears():
         if type(linear.int4) is Q4Weight:
-            linear.int4.max_rows = ALL_ROWS
+            linear.int4.max_rows = linear.int4.tiles_from = ALL_ROWS
             kept += 1
         else:
             linear.int4, linear.tile_rows = None, tile

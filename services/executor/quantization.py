@@ -79,10 +79,14 @@ class Q4Weight:
     out_features: int
     op: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
     max_rows: int = 0
+    # the backend's q4_linear_tiles, run for bfloat16 calls of at least tiles_from rows
+    tiles: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
+    tiles_from: int = ALL_ROWS
 
     def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         """x @ w.T; into out (float32 [rows, out_features]) when given."""
-        return self.op(x, self.packed, self.d, self.m) if out is None else self.op(x, self.packed, self.d, self.m, out)
+        op = self.tiles if x.shape[0] >= self.tiles_from and x.dtype == torch.bfloat16 else self.op
+        return op(x, self.packed, self.d, self.m) if out is None else op(x, self.packed, self.d, self.m, out)
 
     @property
     def nbytes(self) -> int:
@@ -206,12 +210,15 @@ def compact_scales(d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
     return d, m
 
 
-def quantize_q4(weight: Tensor, op: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Q4Weight:
+def quantize_q4(weight: Tensor, op: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+                tiles: Callable | None = None, tiles_from: int = ALL_ROWS) -> Q4Weight:
     """The weight's Q4_1 blocks in the C++ kernel's layout, scale and min in float16 where they fit
-    (`compact_scales`; float32 otherwise, where a Q4_1-valued tensor round-trips exactly)."""
+    (`compact_scales`; float32 otherwise, where a Q4_1-valued tensor round-trips exactly); `tiles`
+    (q4_linear_tiles) serves bfloat16 calls of at least `tiles_from` rows where given."""
     codes, scale, low = q4_1_codes(weight)
     packed, d, m = reference.q4_pack(codes.view(weight.shape), scale.squeeze(-1), low.squeeze(-1))
-    return Q4Weight(packed, *compact_scales(d, m), weight.shape[0], op)
+    return Q4Weight(packed, *compact_scales(d, m), weight.shape[0], op,
+                    tiles=tiles, tiles_from=tiles_from if tiles is not None else ALL_ROWS)
 
 
 def dequantize(w: Int4Weight, codes: Tensor) -> Tensor:
@@ -289,9 +296,13 @@ def int4_copies(model, mode: str, device: torch.device | str) -> tuple[list[Int4
     chosen, why = resolve_mode(mode, weights, device)
     if not chosen:
         return None, why
-    op = model.backend.q4_linear
-    if op is not None:
-        return [quantize_q4(w, op) for w in weights], why + "; run by the C++ q4_linear kernel"
+    backend = model.backend
+    if backend.q4_linear is not None:
+        copies = [quantize_q4(w, backend.q4_linear, backend.q4_linear_tiles, backend.q4_tiles_min_rows)
+                  for w in weights]
+        tiles = (f", on AMX tiles (q4_linear_tiles) from {backend.q4_tiles_min_rows} rows"
+                 if backend.q4_linear_tiles is not None else "")
+        return copies, why + "; run by the C++ q4_linear kernel" + tiles
     return [quantize_int4(w) for w in weights], why + "; run by torch's int4 kernel"
 
 

@@ -159,6 +159,27 @@ def test_q8_linear_kernel_matches_its_reference(rows):
     assert torch.equal(typed, got.to(torch.bfloat16))
 
 
+def test_a_q4_copy_runs_on_tiles_for_large_bfloat16_calls():
+    """From the backend's q4_tiles_min_rows rows on, bfloat16 calls take q4_linear_tiles (the dense
+    bfloat16 weights' products); fewer rows, or float32 ones, the integer q4_linear."""
+    from kernels.cpu.backend import make_backend
+
+    ext = load_cpu_kernels()
+    if ext is None or not ext.q4_linear_tiles_rows():
+        pytest.skip("no AMX tiles here")
+    backend = make_backend(ext)
+    w = q4_1_values(64, 576)
+    copy = q.quantize_q4(w, backend.q4_linear, backend.q4_linear_tiles, backend.q4_tiles_min_rows)
+    args = (copy.packed, copy.d, copy.m)
+    x = torch.randn(backend.q4_tiles_min_rows, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(copy.matmul(x), backend.q4_linear_tiles(x, *args))
+    assert torch.equal(copy.matmul(x[:-1]), backend.q4_linear(x[:-1], *args))
+    assert torch.equal(copy.matmul(x.float()), backend.q4_linear(x.float(), *args))
+    dense = (x.double() @ w.bfloat16().double().t()).float()
+    assert torch.allclose(copy.matmul(x).float(), dense, rtol=2**-8, atol=1e-5 * float(dense.abs().max()))
+    assert q.quantize_q4(w, backend.q4_linear).tiles_from == q.ALL_ROWS
+
+
 def _q4_1_checkpoint(src, dst):
     """A copy of the tiny model whose decoder weights are Q4_1 values (as a converted GGUF's are)."""
     import shutil

@@ -250,6 +250,55 @@ def test_q4_linear_writes_x_dtype_as_its_float32_result_rounded(dtype):
         ext.q4_linear(torch.empty(rows, n, dtype=torch.float64), x, packed, d, m)
 
 
+TILES_ROWS = ext.q4_linear_tiles_rows() if ext is not None else 0
+needs_tiles = pytest.mark.skipif(not TILES_ROWS, reason="no AMX tiles here (q4_linear_tiles_rows() is 0)")
+
+
+@needs_tiles
+@pytest.mark.parametrize("scales", [torch.float16, torch.float32], ids=param_id)
+@pytest.mark.parametrize("rows", [1, 16, 17, 28, 64, 65, 300])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 576), (64, 1536)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_q4_linear_tiles_matches_reference(scales, rows, shape):
+    """bfloat16 rows times the weights dequantized to bfloat16, summed in float32: rows past a whole
+    tile (17, 65), past the 4 tiles of a pass (65) and past a 256-row chunk (300) included."""
+    n, k = shape
+    codes, scale, low = q4_weight(n, k, rows)
+    packed, d, m = reference.q4_pack(codes, scale, low)
+    d, m = d.to(scales), m.to(scales)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).bfloat16()
+    want = reference.q4_linear_tiles(x.double(), packed, d, m).double()
+    full = torch.empty(rows, n)
+    ext.q4_linear_tiles(full, x, packed, d, m)
+    # float32 sums of k products; float32 scales' d * c rounds before m is added (an fma in the
+    # kernel), which may move a weight to the neighbouring bfloat16
+    tol = 1e-5 if scales == torch.float16 else 2e-3
+    torch.testing.assert_close(full.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    typed = torch.empty(rows, n, dtype=torch.bfloat16)
+    ext.q4_linear_tiles(typed, x, packed, d, m)
+    assert torch.equal(typed, full.bfloat16())
+
+
+@needs_tiles
+def test_q4_linear_tiles_gives_a_row_the_same_bits_at_any_row_count():
+    """Each row's sums run over the groups in one order whatever shares the call (padding, the
+    4-tile passes and 256-row chunks only group rows)."""
+    packed, d, m = reference.q4_pack(*q4_weight(64, 576, 4))
+    d, m = d.half(), m.half()
+    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(2)).bfloat16()
+    full = torch.empty(300, 64)
+    ext.q4_linear_tiles(full, x, packed, d, m)
+    for r0, r1 in ((0, 1), (5, 22), (250, 300), (299, 300)):
+        part = torch.empty(r1 - r0, 64)
+        ext.q4_linear_tiles(part, x[r0:r1].contiguous(), packed, d, m)
+        assert torch.equal(part, full[r0:r1]), (r0, r1)
+
+
+def test_q4_linear_tiles_takes_bfloat16_rows_only():
+    packed, d, m = reference.q4_pack(*q4_weight(16, 64, 0))
+    with pytest.raises(RuntimeError, match="bfloat16 rows and AMX"):
+        ext.q4_linear_tiles(torch.empty(32, 16), torch.randn(32, 64), packed, d, m)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 8, 13])
 def test_q8_linear_matches_reference(rows):
     """8-bit codes 0..255 (the head's Q8_0 + 128): products up to 255 * 127 that AVX2's maddubs

@@ -14,6 +14,7 @@
 // into four 16 x 16 accumulators held in tile registers for the chunk. Each row's sum
 // divides it at the end. Items run on OpenMP threads, KV head by KV head and longest first;
 // each thread keeps its tile configuration for the whole call.
+#include "amx_tiles.h"
 #include "chunk_attention.h"
 
 #include <omp.h>
@@ -24,9 +25,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define PAGEDSERVE_AMX 1
-#include <immintrin.h>
+#ifdef PAGEDSERVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -39,6 +38,7 @@ namespace {
 using chunk::D;
 using chunk::exp2_ps;
 using chunk::kKeyBlock;  // keys per step of either pass
+using amx::configure_tiles;
 using chunk::PackedKV;
 constexpr int64_t kRows = 16;      // query positions per item (a tile's rows)
 constexpr int64_t kChunk = 512;    // keys whose scores are held at once (32 KB: L1)
@@ -47,23 +47,6 @@ constexpr int64_t kChunk = 512;    // keys whose scores are held at once (32 KB:
 bool request_tile_permission() {
   constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-struct TileConfig {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile is 16 rows of 64 bytes: A operands (16 x 32 bfloat16), B operands (16 pair rows x
-// 16 columns) and float32 accumulators (16 x 16) alike.
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
 }
 
 struct Scratch {

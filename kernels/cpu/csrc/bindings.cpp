@@ -14,6 +14,9 @@ void rope_and_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tens
 void int8_group_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales);
 void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                const at::Tensor& mn);
+void q4_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+               const at::Tensor& mn);
+int64_t q4_linear_tiles_rows();
 void q8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                const at::Tensor& mn);
 bool amx_attention_available();
@@ -50,6 +53,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &pagedserve::rope_and_cache, "RoPE on q and k in place; k and v into the cache");
   m.def("int8_group_linear", &pagedserve::int8_group_linear, "x @ (scales per group of 32 * int8 weight).T");
   m.def("q4_linear", &pagedserve::q4_linear, "x @ w.T for a packed Q4_1 weight, rows quantized to int8 per group");
+  m.def("q4_linear_tiles", &pagedserve::q4_linear_tiles,
+        "q4_linear on AMX tiles: bfloat16 x times the weights dequantized to bfloat16");
+  m.def("q4_linear_tiles_rows", &pagedserve::q4_linear_tiles_rows,
+        "rows from which q4_linear_tiles beats q4_linear here; 0 where it cannot run");
   m.def("q8_linear", &pagedserve::q8_linear, "x @ w.T for packed 8-bit codes (w = d * c + m), rows quantized as q4_linear's");
   m.def("lora_grouped", &pagedserve::lora_grouped,
         "out[rows] += (x[rows] @ A_s^T) @ B_s^T per group of rows under one slot's columns of stacked A, B^T");
@@ -68,6 +75,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
         "Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
   m.def("int8_group_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales) -> ()");
   m.def("q4_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor d, Tensor mn) -> ()");
+  m.def("q4_linear_tiles(Tensor(a!) out, Tensor x, Tensor packed, Tensor d, Tensor mn) -> ()");
   m.def("q8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor d, Tensor mn) -> ()");
 }
 
@@ -79,5 +87,6 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("rope_and_cache", &pagedserve::rope_and_cache);
   m.impl("int8_group_linear", &pagedserve::int8_group_linear);
   m.impl("q4_linear", &pagedserve::q4_linear);
+  m.impl("q4_linear_tiles", &pagedserve::q4_linear_tiles);
   m.impl("q8_linear", &pagedserve::q8_linear);
 }

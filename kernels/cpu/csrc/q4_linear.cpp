@@ -14,6 +14,7 @@
 // g*32 + h*4 + byte and the high nibble that of input g*32 + (h+4)*4 + byte; d and m as
 // [block][g][lane] float32 or float16. `kernels/reference.py` has the same computation in plain torch.
 #include "common.h"
+#include "q4_amx.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -353,9 +354,10 @@ void block_rows(const uint8_t* wp, const S* d, const S* mn, Rows x, int64_t rows
 #endif
 
 // Sym: 8-bit codes of Q8_0 weights, whose m (-128 d) the caller leaves out (mn empty).
+// tiles: Q4_1 by q4_amx.cpp's tile path instead of the integer one (bfloat16 x, AMX).
 template <int Bits>
 void coded_linear(const char* name, at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                  const at::Tensor& d, const at::Tensor& mn) {
+                  const at::Tensor& d, const at::Tensor& mn, bool tiles = false) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be [M, K], contiguous");
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
   TORCH_CHECK(K % kGroup == 0, name, ": K must be a multiple of ", kGroup);
@@ -371,6 +373,10 @@ void coded_linear(const char* name, at::Tensor& out, const at::Tensor& x, const 
   TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == x.scalar_type()) && out.dim() == 2 &&
                   out.size(0) == M && out.size(1) == N && out.is_contiguous(),
               name, ": out must be float32 or x's dtype, [M, N], contiguous");
+  if (tiles) {
+    TORCH_CHECK(Bits == 4 && q4_amx_applies(x), name, ": needs bfloat16 rows and AMX tiles (q4_linear_tiles_rows)");
+    return q4_linear_amx(out, x, packed, d, mn);
+  }
   // uninitialised: every byte is written before it is read
   std::unique_ptr<int8_t[]> cx(new int8_t[M * K]);
   std::unique_ptr<float[]> dx(new float[M * G]), sx(new float[M * G]);
@@ -432,6 +438,13 @@ void coded_linear(const char* name, at::Tensor& out, const at::Tensor& x, const 
 void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                const at::Tensor& mn) {
   coded_linear<4>("q4_linear", out, x, packed, d, mn);
+}
+
+// q4_linear on AMX tiles (q4_amx.cpp): bfloat16 x, weights dequantized to bfloat16 once per call, so
+// its results are the dense bfloat16 weights' rather than int8-quantized rows'.
+void q4_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                     const at::Tensor& mn) {
+  coded_linear<4>("q4_linear_tiles", out, x, packed, d, mn, true);
 }
 
 // The same for 8-bit codes 0..255 (kernels/reference.py's q8_pack): GGUF's Q8_0 (w = s * c, c in

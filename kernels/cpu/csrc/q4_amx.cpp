@@ -1,0 +1,212 @@
+// Q4_1 linear on AMX tiles for steps of many rows (bfloat16 activations): each block of 16 output
+// rows has its 4-bit weights dequantized once per call to bfloat16 (w = d * c + m, rounded as
+// torch rounds float32 to bfloat16: the dense copy's weights) in the tile unit's
+// pair-row layout, then every 16-row tile of the input multiplies them, 4 such tiles per pass.
+// The weights are read at 4 bits from memory instead of 16, and unlike q4_linear's integer path
+// (whose per-row work grows with the rows) the multiply runs on the tile unit.
+//
+// The packed layout is q4_linear.cpp's: packed[block][g][h][lane][byte], low nibble input
+// g*32 + h*4 + byte, high nibble input g*32 + (h+4)*4 + byte; d and m [block][g][lane].
+#include "q4_amx.h"
+
+#include "amx_tiles.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+
+namespace pagedserve {
+
+bool amx_attention_available();
+
+#ifdef PAGEDSERVE_AMX
+namespace {
+
+constexpr int64_t kGroup = 32, kLanes = 16;
+constexpr int64_t kTiles = 4;         // input row tiles per pass (accumulator tiles 0-3)
+constexpr int64_t kRowChunk = 256;    // input rows whose bfloat16 values stay in L2 while a block is dequantized
+
+template <typename S>
+inline __m512 load16(const S* p) {
+  if constexpr (std::is_same_v<S, float>)
+    return _mm512_loadu_ps(p);
+  else
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Word order turning (16 even inputs, 16 odd inputs) into 16 dwords of (even, odd) pairs.
+alignas(64) constexpr uint16_t kPairOrder[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// Group g of a block as one B tile: row p holds inputs (g*32 + 2p, g*32 + 2p + 1) of each of the
+// 16 outputs.
+template <typename S>
+inline void dequantize_group(const uint8_t* wg, const S* d, const S* mn, uint32_t* tile) {
+  const __m512i low4 = _mm512_set1_epi32(0xF);
+  const __m512i order = _mm512_load_si512(kPairOrder);
+  const __m512 dv = load16(d), mv = load16(mn);
+  // with GGUF's float16 scales d * c is exact in float32, so this equals the dense copy's value
+  auto value = [&](__m512i v, int shift) {
+    const __m512i c = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(shift)), low4);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), dv, mv);
+  };
+  auto pair = [&](__m512 even, __m512 odd, int64_t p) {
+    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
+    _mm512_store_si512(tile + p * 16, _mm512_permutexvar_epi16(order, both));
+  };
+  for (int64_t h = 0; h < 4; ++h) {
+    const __m512i v = _mm512_loadu_si512(wg + h * 64);
+    pair(value(v, 0), value(v, 8), 2 * h);        // inputs 4h, 4h+1
+    pair(value(v, 16), value(v, 24), 2 * h + 1);  // 4h+2, 4h+3
+    pair(value(v, 4), value(v, 12), 2 * h + 8);   // 4(h+4), +1
+    pair(value(v, 20), value(v, 28), 2 * h + 9);  // 4(h+4)+2, +3
+  }
+}
+
+// A block's packed weights and scales into L1 ahead of its dequantization.
+inline void prefetch_block(const uint8_t* wp, const void* d, const void* mn, int64_t weight_bytes,
+                           int64_t scale_bytes) {
+  for (int64_t i = 0; i < weight_bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(wp + i), _MM_HINT_T0);
+  for (int64_t i = 0; i < scale_bytes; i += 64) {
+    _mm_prefetch(static_cast<const char*>(d) + i, _MM_HINT_T0);
+    _mm_prefetch(static_cast<const char*>(mn) + i, _MM_HINT_T0);
+  }
+}
+
+// NT row tiles of x (16 rows each, row stride K) times one dequantized block, float32 into c [NT*16][16].
+template <int NT, typename S>
+void multiply_block(const uint16_t* x, int64_t K, int64_t G, uint32_t* w, float* c, const uint8_t* wp, const S* d,
+                    const S* mn) {
+  _tile_zero(0);
+  if constexpr (NT > 1) _tile_zero(1);
+  if constexpr (NT > 2) _tile_zero(2);
+  if constexpr (NT > 3) _tile_zero(3);
+  const int64_t stride = K * 2, tile_rows = 16 * K;
+  for (int64_t g = 0; g < G; ++g) {
+    // dequantized on the block's first pass, while the tile unit multiplies the group before
+    if (wp) dequantize_group(wp + g * 256, d + g * kLanes, mn + g * kLanes, w + g * 256);
+    _tile_loadd(4, w + g * 256, 64);
+    _tile_loadd(5, x + g * kGroup, stride);
+    _tile_dpbf16ps(0, 5, 4);
+    if constexpr (NT > 1) {
+      _tile_loadd(6, x + tile_rows + g * kGroup, stride);
+      _tile_dpbf16ps(1, 6, 4);
+    }
+    if constexpr (NT > 2) {
+      _tile_loadd(5, x + 2 * tile_rows + g * kGroup, stride);
+      _tile_dpbf16ps(2, 5, 4);
+    }
+    if constexpr (NT > 3) {
+      _tile_loadd(6, x + 3 * tile_rows + g * kGroup, stride);
+      _tile_dpbf16ps(3, 6, 4);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (NT > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (NT > 2) _tile_stored(2, c + 512, 64);
+  if constexpr (NT > 3) _tile_stored(3, c + 768, 64);
+}
+
+template <typename T>
+inline void store16(const float* c, T* out) {
+  if constexpr (std::is_same_v<T, float>)
+    _mm512_storeu_ps(out, _mm512_load_ps(c));
+  else
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(c))));
+}
+
+template <typename S, typename T>
+void run(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wp, const S* d, const S* mn, int64_t blocks,
+         T* out) {
+  const int64_t G = K / kGroup, N = blocks * kLanes, padded = (M + 15) / 16 * 16;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks)));
+#pragma omp parallel num_threads(threads)
+  {
+    amx::configure_tiles();
+    std::unique_ptr<uint32_t[], decltype(&std::free)> w(
+        static_cast<uint32_t*>(std::aligned_alloc(64, G * 256 * sizeof(uint32_t))), &std::free);
+    alignas(64) float c[kTiles * 16 * kLanes];
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
+    for (int64_t r0 = 0; r0 < padded; r0 += kRowChunk) {
+      const int64_t r1 = std::min(padded, r0 + kRowChunk);
+      for (int64_t b = b0; b < b1; ++b) {
+        if (b + 1 < b1)
+          prefetch_block(wp + (b + 1) * G * 256, d + (b + 1) * G * kLanes, mn + (b + 1) * G * kLanes, G * 256,
+                         G * kLanes * static_cast<int64_t>(sizeof(S)));
+        for (int64_t m0 = r0; m0 < r1; m0 += kTiles * 16) {
+          const int64_t nt = std::min<int64_t>(kTiles, (r1 - m0) / 16);
+          const uint16_t* xm = x + m0 * K;
+          const uint8_t* wb = m0 == r0 ? wp + b * G * 256 : nullptr;
+          const S* db = d + b * G * kLanes;
+          const S* mb = mn + b * G * kLanes;
+          switch (nt) {
+            case 1: multiply_block<1>(xm, K, G, w.get(), c, wb, db, mb); break;
+            case 2: multiply_block<2>(xm, K, G, w.get(), c, wb, db, mb); break;
+            case 3: multiply_block<3>(xm, K, G, w.get(), c, wb, db, mb); break;
+            default: multiply_block<4>(xm, K, G, w.get(), c, wb, db, mb); break;
+          }
+          const int64_t rows = std::min(M - m0, nt * 16);
+          for (int64_t r = 0; r < rows; ++r) store16(c + r * kLanes, out + (m0 + r) * N + b * kLanes);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+}  // namespace
+#endif
+
+bool q4_amx_applies(const at::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 && q4_linear_tiles_rows() > 0;
+}
+
+int64_t q4_linear_tiles_rows() {
+#ifdef PAGEDSERVE_AMX
+  return amx_attention_available() ? kQ4AmxMinRows : 0;
+#else
+  return 0;
+#endif
+}
+
+void q4_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                   const at::Tensor& mn) {
+  TORCH_CHECK(q4_amx_applies(x), "q4_linear_amx: needs bfloat16 rows and AMX tiles");
+#ifdef PAGEDSERVE_AMX
+  const int64_t M = x.size(0), K = x.size(1), blocks = d.size(0);
+  // rows padded to whole tiles with zeros (their results are dropped)
+  const auto* xr = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  if (M % 16) {
+    // kept between calls: a fresh allocation each call cost page faults worth ~30% of a step's
+    // time at 20 rows; 64-byte aligned, as a tile row split across two cache lines loads slowly
+    thread_local std::unique_ptr<uint16_t[], decltype(&std::free)> padded(nullptr, &std::free);
+    thread_local int64_t capacity = 0;
+    const int64_t rows = (M + 15) / 16 * 16;
+    if (rows * K > capacity) {
+      padded.reset(static_cast<uint16_t*>(std::aligned_alloc(64, rows * K * sizeof(uint16_t))));
+      capacity = rows * K;
+    }
+    std::memcpy(padded.get(), xr, M * K * sizeof(uint16_t));
+    std::memset(padded.get() + M * K, 0, (rows - M) * K * sizeof(uint16_t));
+    xr = padded.get();
+  }
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  auto go = [&](const auto* dp, const auto* mp) {
+    if (out.scalar_type() == at::kFloat)
+      run(xr, M, K, wp, dp, mp, blocks, out.data_ptr<float>());
+    else
+      run(xr, M, K, wp, dp, mp, blocks, out.data_ptr<c10::BFloat16>());
+  };
+  if (d.scalar_type() == at::kHalf)
+    go(d.data_ptr<c10::Half>(), mn.data_ptr<c10::Half>());
+  else
+    go(d.data_ptr<float>(), mn.data_ptr<float>());
+#endif
+}
+
+}  // namespace pagedserve
