@@ -12,6 +12,7 @@ writes, and the rest (embedding, batch metadata, sampling, Python).
     python -m benchmarks.step_profile                      # C=64: 64 decode rows, + a 150-token chunk
     python -m benchmarks.step_profile --decode 16 --prefill 0 150 2048
     python -m benchmarks.step_profile --threads 1          # shares without OpenMP barriers
+    python -m benchmarks.step_profile --int4-rows 1000     # int4 copies for these steps too
 
 Figures come from one process on whatever else shares the machine: run it on a quiet host.
 """
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kv-blocks", type=int, default=4096)
     p.add_argument("--prepack", default="auto", choices=("auto", "none"))
+    p.add_argument("--int4-rows", type=int, default=None,
+                   help="steps of at most this many rows on the int4 copies, instead of the calibrated limit")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -149,6 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     from shared.model_files import resolve_model
 
     runner = ModelRunner(resolve_model(args.model), num_kv_blocks=args.kv_blocks, prepack=args.prepack)
+    if args.int4_rows is not None:
+        for m in runner.model.decoder_linears():
+            if m.int4 is not None:
+                m.int4.max_rows = args.int4_rows
     int4 = next((m.int4.max_rows for m in runner.model.decoder_linears() if m.int4 is not None), 0)
     print(f"{args.model}: {runner.dtype}, backend {runner.backend.name}, {torch.get_num_threads()} threads, "
           f"int4 copies serve steps of <= {int4} rows, prepack {args.prepack}")
