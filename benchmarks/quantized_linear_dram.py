@@ -15,6 +15,7 @@ compare medians; equal checksums mean bit-identical outputs.
     python -m benchmarks.quantized_linear_dram --shape smollm2 --rows 1 8 16 64 214
     python -m benchmarks.quantized_linear_dram --shape 1b --rows 16 166 --head
     python -m benchmarks.quantized_linear_dram --so ~/.cache/pagedserve/extensions/X/X.so
+    python -m benchmarks.quantized_linear_dram --tiles --rows 16 28 64 128   # AMX q4_linear_tiles
 
 Figures only; never a test.
 """
@@ -60,16 +61,26 @@ def main() -> None:
     parser.add_argument("--head", action="store_true", help="time the output head too")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--so", help="another build of the extension to time instead of this checkout's")
+    parser.add_argument("--tiles", action="store_true",
+                        help="the decoder by q4_linear_tiles (AMX) instead of q4_linear from --tiles-from rows on")
+    parser.add_argument("--tiles-from", type=int, default=None,
+                        help="rows from which --tiles applies (default: the build's q4_linear_tiles_rows())")
     parser.add_argument("--head-explicit-m", action="store_true",
                         help="give the head's q8_linear its m (-128 d) as a tensor, as builds before 2026-12-07 need")
     args = parser.parse_args()
     torch.manual_seed(0)
     ext = load_extension(args.so)
+    tiles_from = None
+    if args.tiles:
+        tiles_from = args.tiles_from or ext.q4_linear_tiles_rows()
+        if not tiles_from:
+            raise SystemExit("--tiles: q4_linear_tiles does not run here (no AMX tiles)")
     hidden, inter, qkv, layers = SHAPES[args.shape]
     shapes = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
     weights = [[q4_weight(n, k) for n, k in shapes] for _ in range(layers)]
     macs = layers * sum(n * k for n, k in shapes)
-    print(f"q4_linear over {layers} layers of the {args.shape} decoder ({macs * 0.625 / 2**20:.0f} MiB), "
+    tiles = f" (q4_linear_tiles from {tiles_from} rows)" if tiles_from else ""
+    print(f"q4_linear{tiles} over {layers} layers of the {args.shape} decoder ({macs * 0.625 / 2**20:.0f} MiB), "
           f"{torch.get_num_threads()} threads, {args.so or 'this checkout'}")
     head = None
     if args.head:
@@ -82,10 +93,12 @@ def main() -> None:
         xs = {k: torch.randn(rows, k).bfloat16() for k in (hidden, inter)}
         outs = [torch.empty(rows, n, dtype=torch.bfloat16) for n, _ in shapes]
 
-        def decoder(rows=rows, xs=xs, outs=outs):
+        op = ext.q4_linear_tiles if tiles_from and rows >= tiles_from else ext.q4_linear
+
+        def decoder(rows=rows, xs=xs, outs=outs, op=op):
             for layer in weights:
                 for (_, k), w, out in zip(shapes, layer, outs, strict=True):
-                    ext.q4_linear(out, xs[k], *w)
+                    op(out, xs[k], *w)
 
         print(f"  decoder {rows:4d} rows: {time_rows(decoder, rows, macs, outs[1], args.repeats)}", flush=True)
         if head is not None:

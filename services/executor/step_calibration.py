@@ -6,7 +6,9 @@ calls, which a real step, whose attention and activations stream through the sam
 cache, does not allow: on one host an int4 matmul took 125 us in that loop and
 475 us inside a step. So once the KV pool exists, the runner times whole decode
 steps of m sequences both ways, int4 copies on and off (and then the int8 head on
-and off), and keeps the largest m at which the quantized step is still faster.
+and off), and keeps the largest m at which the quantized step is still faster. Where the
+int4 copies can also run on AMX tiles (bfloat16), the smallest m from which that beats their
+integer path is found first (`tiles_onset`).
 
 The steps are forward passes only (no sampling), with every sequence at `context`
 tokens read through its own blocks of the still empty pool, so attention reads as
@@ -30,6 +32,7 @@ from shared.messages import ExecuteStep, ScheduledSeq, SeqSampling
 log = logging.getLogger(__name__)
 
 PREFILL_ROWS = 1024  # the prompt chunk timed once the quantized copies win at every decode size
+TILES_ROWS = (16, 32, 64, 128)  # decode sizes tried for the int4 copies' AMX tiles, smallest first
 
 GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
 
@@ -58,6 +61,62 @@ def _forward_time(runner, meta: BatchMetadata) -> float:
     return time.perf_counter() - start
 
 
+def _fitting_decode_step(runner, rows: int, context: int) -> ExecuteStep | None:
+    """decode_step with its context halved until `rows` sequences fit in the pool; None if never."""
+    step, ctx = None, context
+    while step is None and ctx >= 1:
+        step = decode_step(rows, ctx, runner.block_size, runner.num_kv_blocks)
+        ctx //= 2
+    return step
+
+
+def _meta(runner, step: ExecuteStep) -> BatchMetadata:
+    return BatchMetadata.from_step(step, runner.block_size, runner.num_kv_blocks, runner.device)
+
+
+def _best_times(runner, meta, use: Callable[[bool], None], reps: int) -> tuple[float, float]:
+    """Best forward time with use(False) and with use(True), alternating; the first round warms both."""
+    off = on = float("inf")
+    for rep in range(reps + 1):
+        use(False)
+        a = _forward_time(runner, meta)
+        use(True)
+        b = _forward_time(runner, meta)
+        if rep:
+            off, on = min(off, a), min(on, b)
+    return off, on
+
+
+def tiles_onset(runner, copies: list, context: int, rows: tuple[int, ...] = TILES_ROWS, reps: int = 3) -> int:
+    """Smallest m in `rows` from which a decode step of m sequences is faster with the int4 copies on
+    AMX tiles (q4_linear_tiles, from m rows on) than on q4_linear's integer path, which is set as their
+    `tiles_from`; ALL_ROWS (tiles never) if none is. The copies serve every step while it times. The
+    onset is the model's: the tiles dequantize every weight once per call, which SmolLM2's shapes
+    repay from ~28 rows and a 1B model's from between 32 and 64 (Xeon, benchmarks.quantized_linear_dram
+    --tiles)."""
+    for c in copies:
+        c.max_rows = ALL_ROWS
+
+    def use_tiles(m: int) -> None:
+        for c in copies:
+            c.tiles_from = m
+
+    onset = ALL_ROWS
+    for m in rows:
+        step = _fitting_decode_step(runner, m, context)
+        if step is None:
+            break
+        t_int, t_tiles = _best_times(runner, _meta(runner, step), lambda on, m=m: use_tiles(m if on else ALL_ROWS),
+                                     reps if m <= 64 else 1)
+        log.info("step calibration of int4 linears' tiles: %d rows: integer %.2f ms, tiles %.2f ms", m,
+                 t_int * 1e3, t_tiles * 1e3)
+        if t_tiles < t_int:
+            onset = m
+            break
+    use_tiles(onset)
+    return onset
+
+
 def crossover(runner, use_rows: Callable[[int], None], label: str, context: int,
               rows: tuple[int, ...] = CALIBRATION_ROWS, reps: int = 3) -> int:
     """Largest m in `rows` at which a decode step of m sequences is faster with `use_rows(m)`
@@ -68,23 +127,13 @@ def crossover(runner, use_rows: Callable[[int], None], label: str, context: int,
     context is halved until they do (both ways read the same KV)."""
     best = 0
     for m in rows:
-        step, ctx = None, context
-        while step is None and ctx >= 1:
-            step = decode_step(m, ctx, runner.block_size, runner.num_kv_blocks)
-            ctx //= 2
+        step = _fitting_decode_step(runner, m, context)
         if step is None:
             break
-        meta = BatchMetadata.from_step(step, runner.block_size, runner.num_kv_blocks, runner.device)
-        t_dense = t_quant = float("inf")
         # steps of over 64 rows last long enough (0.1-0.7 s) that one timed round each way is
         # steady; more rounds would add ~10 s to every start
-        for rep in range((reps if m <= 64 else 1) + 1):
-            use_rows(0)
-            dense = _forward_time(runner, meta)
-            use_rows(m)
-            quant = _forward_time(runner, meta)
-            if rep:  # the first round warms both paths up
-                t_dense, t_quant = min(t_dense, dense), min(t_quant, quant)
+        t_dense, t_quant = _best_times(runner, _meta(runner, step), lambda on, m=m: use_rows(m if on else 0),
+                                       reps if m <= 64 else 1)
         log.info("step calibration of %s: %d rows: dense %.2f ms, quantized %.2f ms", label, m,
                  t_dense * 1e3, t_quant * 1e3)
         if t_quant >= t_dense:
@@ -120,7 +169,7 @@ def _faster_on_a_prompt_chunk(runner, use_rows: Callable[[int], None], label: st
         step = prefill_step(rows, runner.block_size, runner.num_kv_blocks)
     if step is None:
         return True
-    meta = BatchMetadata.from_step(step, runner.block_size, runner.num_kv_blocks, runner.device)
+    meta = _meta(runner, step)
     times = {}
     for rep in range(2):
         for m in (0, ALL_ROWS):
@@ -139,6 +188,11 @@ def calibrate_runner(runner, context: int = 128) -> list[str]:
     model = runner.model
     chosen = []
     copies = [m.int4 for m in model.decoder_linears() if m.int4 is not None]
+    tiled = [c for c in copies if getattr(c, "tiles", None) is not None]
+    if tiled and runner.dtype == torch.bfloat16:
+        onset = tiles_onset(runner, tiled, context)
+        chosen.append(f"int4 linears on AMX tiles (q4_linear_tiles) from {onset} rows (timed on decode steps)"
+                      if onset < ALL_ROWS else "int4 linears never on AMX tiles (slower on every decode step timed)")
     if copies:
         def use_int4(m: int) -> None:
             for c in copies:

@@ -99,6 +99,21 @@ def test_crossover_is_zero_when_quantized_never_wins(monkeypatch):
     assert best == 0 and limit["rows"] == 0
 
 
+def test_tiles_onset_is_the_smallest_row_count_where_tiles_win(monkeypatch):
+    copies = [type("Copy", (), {"max_rows": 0, "tiles_from": q.ALL_ROWS})() for _ in range(2)]
+    # a cost model: the integer path costs m, the tiles 40 + m/4 (faster from 54 rows on)
+    monkeypatch.setattr(sc, "_forward_time", lambda runner, meta: (
+        40 + meta.num_seqs / 4 if meta.num_seqs >= copies[0].tiles_from else float(meta.num_seqs)))
+    monkeypatch.setattr(sc.BatchMetadata, "from_step",
+                        staticmethod(lambda step, *a: type("M", (), {"num_seqs": len(step.seqs)})()))
+    assert sc.tiles_onset(_Runner(), copies, context=32, rows=(16, 32, 64, 128), reps=2) == 64
+    assert all(c.tiles_from == 64 and c.max_rows == q.ALL_ROWS for c in copies)
+    monkeypatch.setattr(sc, "_forward_time", lambda runner, meta: (
+        2.0 if meta.num_seqs >= copies[0].tiles_from else 1.0))
+    assert sc.tiles_onset(_Runner(), copies, context=32, rows=(16, 32), reps=1) == q.ALL_ROWS
+    assert all(c.tiles_from == q.ALL_ROWS for c in copies)
+
+
 def test_a_runner_calibrates_on_decode_steps_unless_pinned(tiny_model_dir, tmp_path, monkeypatch):
     q4_dir = _q4_1_checkpoint(tiny_model_dir, tmp_path / "q4")
     calls = []
