@@ -266,7 +266,9 @@ def unavailable(kind: str, args) -> str | None:
 
 
 # What pagedserve's executor logs about the choices its defaults made (dtype, weights, attention, KV).
-CHOICES = re.compile(r"\] ((?:dtype|quantization) auto -> .*|int4 copies .*|.* loaded \(.*)$")
+# (the step calibration's lines last: they replace the loader's provisional row limits)
+CHOICES = re.compile(r"\] ((?:dtype|quantization) auto -> .*|int4 copies .*|int4 linears .*|the int8 head .*"
+                     r"|.* loaded \(.*)$")
 
 
 def logged_choices(log: Path) -> list[str]:
