@@ -63,6 +63,15 @@ inline void store_bf16(c10::BFloat16* p, __m512 rounded) {  // rounded: a bfloat
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
 }
+// store_bf16(p, round_bf16(v)) for a final result: with AVX512-BF16 one vcvtneps2bf16 (the same
+// nearest-even rounding; it flushes values below 2^-126 to zero, which activations never reach)
+inline void round_store_bf16(c10::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+#else
+  store_bf16(p, vec::round_bf16(v));
+#endif
+}
 
 void rms_norm_row_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* out, int64_t n, float eps) {
   __m512 ss = _mm512_setzero_ps();
@@ -73,7 +82,7 @@ void rms_norm_row_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFlo
   const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps));
   for (int64_t i = 0; i < n; i += 16) {
     const __m512 normed = vec::round_bf16(_mm512_mul_ps(load_bf16(x + i), inv));
-    store_bf16(out + i, vec::round_bf16(_mm512_mul_ps(load_bf16(w + i), normed)));
+    round_store_bf16(out + i, _mm512_mul_ps(load_bf16(w + i), normed));
   }
 }
 
@@ -81,7 +90,7 @@ void rms_norm_row_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFlo
 void add_rms_norm_row_bf16(c10::BFloat16* x, c10::BFloat16* residual, const c10::BFloat16* w, int64_t n,
                            float eps) {
   for (int64_t i = 0; i < n; i += 16)
-    store_bf16(residual + i, vec::round_bf16(_mm512_add_ps(load_bf16(x + i), load_bf16(residual + i))));
+    round_store_bf16(residual + i, _mm512_add_ps(load_bf16(x + i), load_bf16(residual + i)));
   rms_norm_row_bf16(residual, w, x, n, eps);
 }
 
@@ -113,7 +122,7 @@ void silu_mul_row_bf16(const c10::BFloat16* gate, const c10::BFloat16* up, c10::
     const __m512 g = load_bf16(gate + i);
     const __m512 d = _mm512_add_ps(one, exp_neg(g));
     const __m512 silu = vec::round_bf16(_mm512_div_ps(g, d));
-    store_bf16(out + i, vec::round_bf16(_mm512_mul_ps(silu, load_bf16(up + i))));
+    round_store_bf16(out + i, _mm512_mul_ps(silu, load_bf16(up + i)));
   }
 }
 
