@@ -134,10 +134,10 @@ inline void rotate_row_bf16(const c10::BFloat16* src, c10::BFloat16* dst, const 
   for (int64_t i = 0; i < half; i += 16) {
     const __m512 x0 = load_bf16(src + i), x1 = load_bf16(src + i + half);
     const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
-    const __m512 y0 = round_bf16(_mm512_sub_ps(round_bf16(_mm512_mul_ps(x0, cv)), round_bf16(_mm512_mul_ps(x1, sv))));
-    const __m512 y1 = round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(x1, cv)), round_bf16(_mm512_mul_ps(x0, sv))));
-    store_bf16(dst + i, y0);  // src may be dst: both halves were loaded first
-    store_bf16(dst + i + half, y1);
+    const __m512 y0 = _mm512_sub_ps(round_bf16(_mm512_mul_ps(x0, cv)), round_bf16(_mm512_mul_ps(x1, sv)));
+    const __m512 y1 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, cv)), round_bf16(_mm512_mul_ps(x0, sv)));
+    round_store_bf16(dst + i, y0);  // src may be dst: both halves were loaded first
+    round_store_bf16(dst + i + half, y1);
   }
 }
 #endif
