@@ -3,6 +3,11 @@
 // pair rows (16 x 16 pairs) and float32 accumulators (16 x 16) alike.
 #pragma once
 
+namespace pagedserve {
+// Whether this build has the tile kernels and Linux granted the tile registers (amx_attention.cpp).
+bool amx_attention_available();
+}  // namespace pagedserve
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define PAGEDSERVE_AMX 1
 #include <immintrin.h>

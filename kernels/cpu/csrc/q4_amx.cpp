@@ -14,13 +14,12 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <type_traits>
 
 namespace pagedserve {
-
-bool amx_attention_available();
 
 #ifdef PAGEDSERVE_AMX
 namespace {
@@ -28,6 +27,20 @@ namespace {
 constexpr int64_t kGroup = 32, kLanes = 16;
 constexpr int64_t kTiles = 4;         // input row tiles per pass (accumulator tiles 0-3)
 constexpr int64_t kRowChunk = 256;    // input rows whose bfloat16 values stay in L2 while a block is dequantized
+
+// A 64-byte-aligned buffer of at least `count` T per thread and Slot, kept between calls (grown only):
+// allocating it afresh each call cost page faults worth ~30% of a step's time at 20 rows. Aligned, as
+// a tile row split across two cache lines loads slowly.
+template <int Slot, typename T>
+T* thread_scratch(int64_t count) {
+  thread_local std::unique_ptr<T[], decltype(&std::free)> buf(nullptr, &std::free);
+  thread_local int64_t capacity = 0;
+  if (count > capacity) {
+    buf.reset(static_cast<T*>(std::aligned_alloc(64, (count * sizeof(T) + 63) / 64 * 64)));
+    capacity = count;
+  }
+  return buf.get();
+}
 
 template <typename S>
 inline __m512 load16(const S* p) {
@@ -127,8 +140,7 @@ void run(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wp, const S* d,
 #pragma omp parallel num_threads(threads)
   {
     amx::configure_tiles();
-    std::unique_ptr<uint32_t[], decltype(&std::free)> w(
-        static_cast<uint32_t*>(std::aligned_alloc(64, G * 256 * sizeof(uint32_t))), &std::free);
+    uint32_t* w = thread_scratch<0, uint32_t>(G * 256);  // the block's dequantized B tiles
     alignas(64) float c[kTiles * 16 * kLanes];
     const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
     const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
@@ -145,10 +157,10 @@ void run(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wp, const S* d,
           const S* db = d + b * G * kLanes;
           const S* mb = mn + b * G * kLanes;
           switch (nt) {
-            case 1: multiply_block<1>(xm, K, G, w.get(), c, wb, db, mb); break;
-            case 2: multiply_block<2>(xm, K, G, w.get(), c, wb, db, mb); break;
-            case 3: multiply_block<3>(xm, K, G, w.get(), c, wb, db, mb); break;
-            default: multiply_block<4>(xm, K, G, w.get(), c, wb, db, mb); break;
+            case 1: multiply_block<1>(xm, K, G, w, c, wb, db, mb); break;
+            case 2: multiply_block<2>(xm, K, G, w, c, wb, db, mb); break;
+            case 3: multiply_block<3>(xm, K, G, w, c, wb, db, mb); break;
+            default: multiply_block<4>(xm, K, G, w, c, wb, db, mb); break;
           }
           const int64_t rows = std::min(M - m0, nt * 16);
           for (int64_t r = 0; r < rows; ++r) store16(c + r * kLanes, out + (m0 + r) * N + b * kLanes);
@@ -176,24 +188,15 @@ int64_t q4_linear_tiles_rows() {
 
 void q4_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                    const at::Tensor& mn) {
-  TORCH_CHECK(q4_amx_applies(x), "q4_linear_amx: needs bfloat16 rows and AMX tiles");
 #ifdef PAGEDSERVE_AMX
   const int64_t M = x.size(0), K = x.size(1), blocks = d.size(0);
-  // rows padded to whole tiles with zeros (their results are dropped)
   const auto* xr = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  if (M % 16) {
-    // kept between calls: a fresh allocation each call cost page faults worth ~30% of a step's
-    // time at 20 rows; 64-byte aligned, as a tile row split across two cache lines loads slowly
-    thread_local std::unique_ptr<uint16_t[], decltype(&std::free)> padded(nullptr, &std::free);
-    thread_local int64_t capacity = 0;
+  if (M % 16) {  // rows padded to whole tiles with zeros (their results are dropped)
     const int64_t rows = (M + 15) / 16 * 16;
-    if (rows * K > capacity) {
-      padded.reset(static_cast<uint16_t*>(std::aligned_alloc(64, rows * K * sizeof(uint16_t))));
-      capacity = rows * K;
-    }
-    std::memcpy(padded.get(), xr, M * K * sizeof(uint16_t));
-    std::memset(padded.get() + M * K, 0, (rows - M) * K * sizeof(uint16_t));
-    xr = padded.get();
+    uint16_t* padded = thread_scratch<1, uint16_t>(rows * K);
+    std::memcpy(padded, xr, M * K * sizeof(uint16_t));
+    std::memset(padded + M * K, 0, (rows - M) * K * sizeof(uint16_t));
+    xr = padded;
   }
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   auto go = [&](const auto* dp, const auto* mp) {
