@@ -6,7 +6,11 @@ calls, which a real step, whose attention and activations stream through the sam
 cache, does not allow: on one host an int4 matmul took 125 us in that loop and
 475 us inside a step. So once the KV pool exists, the runner times whole decode
 steps of m sequences both ways, int4 copies on and off (and then the int8 head on
-and off), and keeps the largest m at which the quantized step is still faster. Where the
+and off), and keeps the largest m at which the quantized step is still faster. Steps of more
+than MIXED_ABOVE rows are timed as a server runs them at that size: MIXED_ABOVE decode rows and
+a prompt chunk (decode-only steps of 128-256 rows timed the int4 tiles level with or ahead of
+the dense weights, where steps of 64 decode rows + 150 prompt tokens ran their matmuls 4-7%
+slower on them: an AMX Xeon). Where the
 int4 copies can also run on AMX tiles (bfloat16), the smallest m from which that beats their
 integer path is found first (`tiles_onset`).
 
@@ -33,6 +37,7 @@ log = logging.getLogger(__name__)
 
 PREFILL_ROWS = 1024  # the prompt chunk timed once the quantized copies win at every decode size
 PREFILL_REPS = 2  # timed rounds of that chunk each way
+MIXED_ABOVE = 64  # larger int4 calibration steps: this many decode rows + a prompt chunk of the rest
 TILES_ROWS = (16, 32, 64, 128)  # decode sizes tried for the int4 copies' AMX tiles, smallest first
 
 GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
@@ -55,6 +60,22 @@ def decode_step(rows: int, context: int, block_size: int, num_blocks: int) -> Ex
     return ExecuteStep(step_id=0, seqs=seqs)
 
 
+def mixed_step(decode_rows: int, chunk: int, context: int, block_size: int, num_blocks: int) -> ExecuteStep | None:
+    """decode_step(decode_rows, context) and one sequence's first prompt chunk of `chunk` tokens on
+    blocks after theirs; None if the pool is too small."""
+    step = decode_step(decode_rows, context, block_size, num_blocks)
+    first = 1 + decode_rows * -(-context // block_size)
+    per_seq = -(-chunk // block_size)
+    if step is None or first + per_seq > num_blocks:
+        return None
+    table = list(range(first, first + per_seq))
+    slots = [table[p // block_size] * block_size + p % block_size for p in range(chunk)]
+    prompt = ScheduledSeq(request_id="calibration-prompt", token_ids=[1 + p % 1000 for p in range(chunk)],
+                          start_pos=0, block_table=table, slot_mapping=slots, sample=True, output_index=0,
+                          sampling=GREEDY)
+    return ExecuteStep(step_id=0, seqs=[*step.seqs, prompt])
+
+
 def _forward_time(runner, meta: BatchMetadata) -> float:
     start = time.perf_counter()
     with torch.inference_mode():
@@ -62,11 +83,15 @@ def _forward_time(runner, meta: BatchMetadata) -> float:
     return time.perf_counter() - start
 
 
-def _fitting_decode_step(runner, rows: int, context: int) -> ExecuteStep | None:
-    """decode_step with its context halved until `rows` sequences fit in the pool; None if never."""
+def _fitting_decode_step(runner, rows: int, context: int, mixed_above: int | None = None) -> ExecuteStep | None:
+    """decode_step (or, past `mixed_above` rows, mixed_step with that many decode rows) with its
+    context halved until it fits in the pool; None if never."""
     step, ctx = None, context
     while step is None and ctx >= 1:
-        step = decode_step(rows, ctx, runner.block_size, runner.num_kv_blocks)
+        if mixed_above is not None and rows > mixed_above:
+            step = mixed_step(mixed_above, rows - mixed_above, ctx, runner.block_size, runner.num_kv_blocks)
+        else:
+            step = decode_step(rows, ctx, runner.block_size, runner.num_kv_blocks)
         ctx //= 2
     return step
 
@@ -119,8 +144,9 @@ def tiles_onset(runner, copies: list, context: int, rows: tuple[int, ...] = TILE
 
 
 def crossover(runner, use_rows: Callable[[int], None], label: str, context: int,
-              rows: tuple[int, ...] = CALIBRATION_ROWS, reps: int = 3) -> int:
-    """Largest m in `rows` at which a decode step of m sequences is faster with `use_rows(m)`
+              rows: tuple[int, ...] = CALIBRATION_ROWS, reps: int = 3, mixed_above: int | None = None) -> int:
+    """Largest m in `rows` at which a step of m rows (decode rows; past `mixed_above`, that many
+    decode rows and a prompt chunk of the rest) is faster with `use_rows(m)`
     (quantized copies serve m rows) than with `use_rows(0)` (dense); 0 if never; if faster at every
     m, ALL_ROWS when it is also faster on a prompt chunk of PREFILL_ROWS tokens, else the largest m
     (a calibration slowed by other load once extrapolated the int4 copies to 2048-token prefill
@@ -128,13 +154,13 @@ def crossover(runner, use_rows: Callable[[int], None], label: str, context: int,
     context is halved until they do (both ways read the same KV)."""
     best = 0
     for m in rows:
-        step = _fitting_decode_step(runner, m, context)
+        step = _fitting_decode_step(runner, m, context, mixed_above)
         if step is None:
             break
-        # steps of over 64 rows last long enough (0.1-0.7 s) that one timed round each way is
-        # steady; more rounds would add ~10 s to every start
+        # steps of over 64 rows last long enough (0.05-0.7 s) that two timed rounds each way are
+        # steady; more would add ~10 s to every start
         t_dense, t_quant = _best_times(runner, _meta(runner, step), lambda on, m=m: use_rows(m if on else 0),
-                                       reps if m <= 64 else 1)
+                                       reps if m <= 64 else min(reps, 2))
         log.info("step calibration of %s: %d rows: dense %.2f ms, quantized %.2f ms", label, m,
                  t_dense * 1e3, t_quant * 1e3)
         if t_quant >= t_dense:
@@ -195,8 +221,9 @@ def calibrate_runner(runner, context: int = 128) -> list[str]:
             for c in copies:
                 c.max_rows = m
 
-        rows = crossover(runner, use_int4, "int4 linears", context)
-        chosen.append(f"int4 linears serve {rows_text(rows)} (timed on decode steps)")
+        rows = crossover(runner, use_int4, "int4 linears", context, mixed_above=MIXED_ABOVE)
+        chosen.append(f"int4 linears serve {rows_text(rows)} (timed on decode steps, past {MIXED_ABOVE} rows "
+                      "with a prompt chunk)")
     head = getattr(model, "head_int8", None)
     if head is not None:
         def use_head(m: int) -> None:

@@ -133,3 +133,24 @@ def test_a_runner_calibrates_on_decode_steps_unless_pinned(tiny_model_dir, tmp_p
     pinned = ModelRunner(q4_dir, dtype="float32", num_kv_blocks=64, quantization="auto", int4_max_rows=4)
     assert calls == []
     assert {m.int4.max_rows for m in pinned.model.decoder_linears()} == {4}
+
+
+def test_mixed_steps_add_a_prompt_chunk_on_blocks_of_its_own():
+    step = sc.mixed_step(decode_rows=3, chunk=40, context=40, block_size=16, num_blocks=20)
+    *decode, prompt = step.seqs
+    assert len(decode) == 3 and all(len(s.token_ids) == 1 for s in decode)
+    assert prompt.start_pos == 0 and len(prompt.token_ids) == 40 and len(prompt.block_table) == 3
+    used = [b for s in step.seqs for b in s.block_table]
+    assert len(set(used)) == 12 and 0 not in used and max(used) < 20
+    assert prompt.slot_mapping == [prompt.block_table[p // 16] * 16 + p % 16 for p in range(40)]
+    assert sc.mixed_step(decode_rows=3, chunk=40, context=40, block_size=16, num_blocks=12) is None
+
+
+def test_int4_crossover_times_larger_steps_with_a_prompt_chunk(monkeypatch):
+    shapes, limit = [], {"rows": 0}
+    monkeypatch.setattr(sc, "_forward_time", lambda runner, meta: 1.0 if limit["rows"] else 2.0)
+    monkeypatch.setattr(sc.BatchMetadata, "from_step", staticmethod(
+        lambda step, *a: shapes.append([len(s.token_ids) for s in step.seqs]) or object()))
+    sc.crossover(_Runner(), lambda m: limit.update(rows=m), "test", context=32, rows=(64, 128), reps=1,
+                 mixed_above=64)
+    assert shapes[0] == [1] * 64 and shapes[1] == [1] * 64 + [64]
