@@ -49,6 +49,8 @@ class AttentionBackend:
     # faster than q4_linear from q4_tiles_min_rows rows on; None: not offered
     q4_linear_tiles: Callable | None = None
     q4_tiles_min_rows: int = 0
+    # q8_linear's on AMX tiles (kernels.reference.q8_linear_tiles), for a Q8_0 head's bfloat16 steps of many rows
+    q8_linear_tiles: Callable | None = None
 
 
 _BACKENDS: dict[str, AttentionBackend] = {

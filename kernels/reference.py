@@ -252,6 +252,25 @@ def q4_linear_tiles(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor) -> Tensor:
     return (x.double() @ q4_dequantize(packed, d, mn).double().t()).float().to(x.dtype)
 
 
+def q8_dequantize(packed: Tensor, d: Tensor, mn: Tensor) -> Tensor:
+    """The bfloat16 weight [N, K] of packed 8-bit codes (`q8_pack`; an empty mn: Q8_0's -128 d)."""
+    blocks, groups, lanes = d.shape
+    n, k = blocks * lanes, groups * 32
+    if mn.numel() == 0:
+        mn = -128 * d
+    codes = q8_unpack(packed, n, k).float().view(n, groups, 32)
+    scale = d.float().transpose(1, 2).reshape(n, groups, 1)
+    low = mn.float().transpose(1, 2).reshape(n, groups, 1)
+    return torch.addcmul(low, codes, scale).view(n, k).bfloat16()
+
+
+def q8_linear_tiles(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor, out: Tensor | None = None) -> Tensor:
+    """q4_linear_tiles for 8-bit codes: bfloat16 x @ q8_dequantize(...).T summed in float64; into out
+    (float32, or x's dtype) when given."""
+    y = (x.double() @ q8_dequantize(packed, d, mn).double().t()).float()
+    return y.to(x.dtype) if out is None else out.copy_(y)
+
+
 def q8_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor, out: Tensor | None = None) -> Tensor:
     """q4_linear for 8-bit codes (`q8_pack`); into out (float32, or x's dtype) when given. An empty
     mn stands for Q8_0's -128 d (codes c + 128 of w = d * c)."""

@@ -156,6 +156,7 @@ def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int 
         # Q4_1 on AMX tiles (kernels.reference.q4_linear_tiles), for bfloat16 steps of many rows
         q4_linear_tiles=coded_linear("q4_linear_tiles") if ext.q4_linear_tiles_rows() else None,
         q4_tiles_min_rows=ext.q4_linear_tiles_rows(),
+        q8_linear_tiles=coded_linear("q8_linear_tiles") if ext.q4_linear_tiles_rows() else None,
     )
 
 

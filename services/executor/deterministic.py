@@ -74,7 +74,7 @@ def make_batch_invariant(model, tile: int = TILE_ROWS) -> list[str]:
     lines = [f"deterministic: {kept} decoder linears on their q4_linear copies for every step, "
              f"{tiled} dense in tiles of {tile} rows"]
     if type(model.head_int8) is Q8Weight:
-        model.head_int8.max_rows = ALL_ROWS
+        model.head_int8.max_rows = model.head_int8.tiles_from = ALL_ROWS
         lines.append("deterministic: the head on its int8 (q8_linear) copy for every step")
     else:
         model.head_int8, model.head_tile_rows = None, tile

@@ -166,14 +166,17 @@ def quantize_int8(weight: Tensor, op: Callable[[Tensor, Tensor, Tensor], Tensor]
     return Int8Weight(codes.to(torch.int8).flatten(1).contiguous(), scale.squeeze(-1).contiguous(), op)
 
 
-def quantize_q8(weight: Tensor, op: Callable[..., Tensor]) -> Q8Weight:
-    """The weight's Q8_0 blocks as a Q8Weight (a Q8_0-valued tensor round-trips exactly)."""
+def quantize_q8(weight: Tensor, op: Callable[..., Tensor], tiles: Callable | None = None,
+                tiles_from: int = ALL_ROWS) -> Q8Weight:
+    """The weight's Q8_0 blocks as a Q8Weight (a Q8_0-valued tensor round-trips exactly); `tiles`
+    (q8_linear_tiles) serves bfloat16 calls of at least `tiles_from` rows where given."""
     codes, scale = q8_0_codes(weight)
     scale = scale.squeeze(-1)
     packed, d, m = reference.q8_pack((codes + 128).to(torch.int64).view(weight.shape), scale, -128 * scale)
     d, m = compact_scales(d, m)
     # no m: q8_linear then adds Q8_0's offset (-128 d) in its integer sums
-    return Q8Weight(packed, d, d.new_empty(0), weight.shape[0], op)
+    return Q8Weight(packed, d, d.new_empty(0), weight.shape[0], op, tiles=tiles,
+                    tiles_from=tiles_from if tiles is not None else ALL_ROWS)
 
 
 def quantizable(weight: Tensor) -> bool:
@@ -332,8 +335,12 @@ def int8_head_copy(model, mode: str, device: torch.device | str) -> tuple[Int8We
     if mode == "auto" and not on_8bit_grid(weight):
         return None, "the checkpoint's head is not 8-bit; kept dense"
     why = "already 8-bit (Q8_0 groups of 32): int8 loses nothing" if mode == "auto" else "asked for int4"
-    if model.backend.q8_linear is not None:
-        return quantize_q8(weight, model.backend.q8_linear), why + "; run by the C++ q8_linear kernel"
+    backend = model.backend
+    if backend.q8_linear is not None:
+        tiles = (f", on AMX tiles (q8_linear_tiles) from {backend.q4_tiles_min_rows} rows"
+                 if backend.q8_linear_tiles is not None else "")
+        return (quantize_q8(weight, backend.q8_linear, backend.q8_linear_tiles, backend.q4_tiles_min_rows),
+                why + "; run by the C++ q8_linear kernel" + tiles)
     return quantize_int8(weight, model.backend.int8_group_linear), why
 
 

@@ -10,7 +10,7 @@ and off), and keeps the largest m at which the quantized step is still faster. S
 than MIXED_ABOVE rows are timed as a server runs them at that size: MIXED_ABOVE decode rows and
 a prompt chunk (decode-only steps of 128-256 rows timed the int4 tiles level with or ahead of
 the dense weights, where steps of 64 decode rows + 150 prompt tokens ran their matmuls 4-7%
-slower on them: an AMX Xeon). Where the
+slower on them: an AMX Xeon). A Q8_0 head's int8 copy on AMX tiles gets its own onset the same way. Where the
 int4 copies can also run on AMX tiles (bfloat16), the smallest m from which that beats their
 integer path is found first (`tiles_onset`).
 
@@ -113,7 +113,8 @@ def _best_times(runner, meta, use: Callable[[bool], None], reps: int) -> tuple[f
     return off, on
 
 
-def tiles_onset(runner, copies: list, context: int, rows: tuple[int, ...] = TILES_ROWS, reps: int = 3) -> int:
+def tiles_onset(runner, copies: list, context: int, rows: tuple[int, ...] = TILES_ROWS, reps: int = 3,
+                label: str = "int4 linears") -> int:
     """Smallest m in `rows` from which a decode step of m sequences is faster with the int4 copies on
     AMX tiles (q4_linear_tiles, from m rows on) than on q4_linear's integer path, which is set as their
     `tiles_from`; ALL_ROWS (tiles never) if none is. The copies serve every step while it times. The
@@ -134,7 +135,7 @@ def tiles_onset(runner, copies: list, context: int, rows: tuple[int, ...] = TILE
             break
         t_int, t_tiles = _best_times(runner, _meta(runner, step), lambda on, m=m: use_tiles(m if on else ALL_ROWS),
                                      reps if m <= 64 else 1)
-        log.info("step calibration of int4 linears' tiles: %d rows: integer %.2f ms, tiles %.2f ms", m,
+        log.info("step calibration of %s' tiles: %d rows: integer %.2f ms, tiles %.2f ms", label, m,
                  t_int * 1e3, t_tiles * 1e3)
         if t_tiles < t_int:
             onset = m
@@ -225,6 +226,11 @@ def calibrate_runner(runner, context: int = 128) -> list[str]:
         chosen.append(f"int4 linears serve {rows_text(rows)} (timed on decode steps, past {MIXED_ABOVE} rows "
                       "with a prompt chunk)")
     head = getattr(model, "head_int8", None)
+    if head is not None and getattr(head, "tiles", None) is not None and runner.dtype == torch.bfloat16:
+        onset = tiles_onset(runner, [head], context, label="int8 head")
+        chosen.append(f"the int8 head on AMX tiles (q8_linear_tiles) from {onset} sampled rows (timed on decode "
+                      "steps)" if onset < ALL_ROWS else "the int8 head never on AMX tiles (slower on every decode "
+                      "step timed)")
     if head is not None:
         def use_head(m: int) -> None:
             head.max_rows = m

@@ -152,6 +152,7 @@ def test_the_mode_gives_each_linear_one_path(tiny):
     assert all(type(m.int4) is Q4Weight and m.int4.max_rows == ALL_ROWS and m.int4.tiles_from == ALL_ROWS
                and not m.tile_rows for m in quantized.decoder_linears())
     assert type(quantized.head_int8) is Q8Weight and quantized.head_int8.max_rows == ALL_ROWS
+    assert quantized.head_int8.tiles_from == ALL_ROWS
     # the C++ paged attention for every chunk, never the SDPA path of long ones (kernels.cpu.dense_attention)
     for model in (dense, quantized):
         if model.backend.row_invariant_paged_attention is not None:

@@ -180,6 +180,29 @@ def test_a_q4_copy_runs_on_tiles_for_large_bfloat16_calls():
     assert q.quantize_q4(w, backend.q4_linear).tiles_from == q.ALL_ROWS
 
 
+def test_a_q8_head_runs_on_tiles_for_large_bfloat16_calls():
+    """A Q8_0 head's copy takes q8_linear_tiles from the backend's q4_tiles_min_rows sampled rows on
+    (bfloat16), the integer q8_linear below; both into float32 logits."""
+    from kernels.cpu.backend import make_backend
+
+    ext = load_cpu_kernels()
+    if ext is None or not ext.q4_linear_tiles_rows():
+        pytest.skip("no AMX tiles here")
+    backend = make_backend(ext)
+    g = torch.Generator().manual_seed(4)
+    w = q8_0_values(64, 576, seed=4)
+    copy = q.quantize_q8(w, backend.q8_linear, backend.q8_linear_tiles, backend.q4_tiles_min_rows)
+    args = (copy.packed, copy.d, copy.m)
+    x = torch.randn(backend.q4_tiles_min_rows, 576, generator=g).bfloat16()
+    rows = x.shape[0]
+    assert torch.equal(copy.matmul(x), backend.q8_linear_tiles(x, *args, out=torch.empty(rows, 64)))
+    assert torch.equal(copy.matmul(x[:-1]), backend.q8_linear(x[:-1], *args, out=torch.empty(rows - 1, 64)))
+    assert copy.matmul(x).dtype == torch.float32
+    dense = (x.double() @ w.bfloat16().double().t()).float()
+    torch.testing.assert_close(copy.matmul(x), dense, rtol=1e-5, atol=1e-5 * float(dense.abs().max()))
+    assert q.quantize_q8(w, backend.q8_linear).tiles_from == q.ALL_ROWS
+
+
 def _q4_1_checkpoint(src, dst):
     """A copy of the tiny model whose decoder weights are Q4_1 values (as a converted GGUF's are)."""
     import shutil

@@ -322,6 +322,38 @@ def test_q8_linear_matches_reference(rows):
     assert torch.equal(typed, full.to(torch.bfloat16))
 
 
+@needs_tiles
+@pytest.mark.parametrize("scales", [torch.float16, torch.float32], ids=param_id)
+@pytest.mark.parametrize("offset", ["q8_0", "explicit"])
+@pytest.mark.parametrize("rows", [1, 17, 64, 65, 300])
+def test_q8_linear_tiles_matches_reference(scales, offset, rows):
+    """A Q8_0 head's codes (c + 128) dequantized to bfloat16 on the tiles, d * c - 128 d exact in
+    float32 (the dense head's weights), summed in float32: an empty m (Q8_0's -128 d) and an
+    explicit one alike; rows past a tile, past a 4-tile pass and past a 256-row chunk included."""
+    n, k = 64, 576
+    g = torch.Generator().manual_seed(rows)
+    signed = torch.randint(-127, 128, (n, k), generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).half().float()
+    packed, d, m = reference.q8_pack(signed + 128, scale, -128 * scale)
+    d, m = d.to(scales), m.to(scales)
+    if offset == "q8_0":
+        m = d.new_empty(0)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    dense = (scale.repeat_interleave(32, 1) * signed).bfloat16()
+    assert torch.equal(reference.q8_dequantize(packed, d, m), dense)
+    want = reference.q8_linear_tiles(x, packed, d, m, torch.empty(rows, n)).double()
+    got = torch.empty(rows, n)
+    ext.q8_linear_tiles(got, x, packed, d, m)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    typed = torch.empty(rows, n, dtype=torch.bfloat16)
+    ext.q8_linear_tiles(typed, x, packed, d, m)
+    assert torch.equal(typed, got.bfloat16())
+    for r0, r1 in ((0, 1), (rows - 1, rows)):  # a row's bits whatever shares its call
+        part = torch.empty(r1 - r0, n)
+        ext.q8_linear_tiles(part, x[r0:r1].contiguous(), packed, d, m)
+        assert torch.equal(part, got[r0:r1])
+
+
 @pytest.mark.parametrize("rows", [1, 8, 13, 64])
 def test_q8_linear_q8_0_offset_in_integer_sums(rows):
     """An empty m says the codes are Q8_0's c + 128 (m = -128 d): the kernel adds -128 * the sum of

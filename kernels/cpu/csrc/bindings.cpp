@@ -19,6 +19,8 @@ void q4_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
 int64_t q4_linear_tiles_rows();
 void q8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                const at::Tensor& mn);
+void q8_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                     const at::Tensor& mn);
 bool amx_attention_available();
 void amx_chunk_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_table, int64_t ctx_len, double scale, int64_t sliding_window);
@@ -58,6 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear_tiles_rows", &pagedserve::q4_linear_tiles_rows,
         "rows from which q4_linear_tiles beats q4_linear here; 0 where it cannot run");
   m.def("q8_linear", &pagedserve::q8_linear, "x @ w.T for packed 8-bit codes (w = d * c + m), rows quantized as q4_linear's");
+  m.def("q8_linear_tiles", &pagedserve::q8_linear_tiles,
+        "q8_linear on AMX tiles: bfloat16 x times the weights dequantized to bfloat16 (rows as q4_linear_tiles_rows)");
   m.def("lora_grouped", &pagedserve::lora_grouped,
         "out[rows] += (x[rows] @ A_s^T) @ B_s^T per group of rows under one slot's columns of stacked A, B^T");
 }
@@ -77,6 +81,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("q4_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor d, Tensor mn) -> ()");
   m.def("q4_linear_tiles(Tensor(a!) out, Tensor x, Tensor packed, Tensor d, Tensor mn) -> ()");
   m.def("q8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor d, Tensor mn) -> ()");
+  m.def("q8_linear_tiles(Tensor(a!) out, Tensor x, Tensor packed, Tensor d, Tensor mn) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
@@ -89,4 +94,5 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("q4_linear", &pagedserve::q4_linear);
   m.impl("q4_linear_tiles", &pagedserve::q4_linear_tiles);
   m.impl("q8_linear", &pagedserve::q8_linear);
+  m.impl("q8_linear_tiles", &pagedserve::q8_linear_tiles);
 }

@@ -1,4 +1,4 @@
-// Q4_1 linear on AMX tiles for steps of many rows (bfloat16 activations): each block of 16 output
+// Q4_1 (and Q8_0) linear on AMX tiles for steps of many rows (bfloat16 activations): each block of 16 output
 // rows has its 4-bit weights dequantized once per call to bfloat16 (w = d * c + m, rounded as
 // torch rounds float32 to bfloat16: the dense copy's weights) in the tile unit's
 // pair-row layout, then every 16-row tile of the input multiplies them, 4 such tiles per pass.
@@ -6,7 +6,9 @@
 // (whose per-row work grows with the rows) the multiply runs on the tile unit.
 //
 // The packed layout is q4_linear.cpp's: packed[block][g][h][lane][byte], low nibble input
-// g*32 + h*4 + byte, high nibble input g*32 + (h+4)*4 + byte; d and m [block][g][lane].
+// g*32 + h*4 + byte, high nibble input g*32 + (h+4)*4 + byte; d and m [block][g][lane]. Q8_0 heads
+// (q8_linear_tiles) use its 8-bit layout: packed[block][g][h 0..7][lane][byte], input g*32 + h*4 + byte,
+// codes c + 128 with m = -128 d where mn is empty.
 #include "q4_amx.h"
 
 #include "amx_tiles.h"
@@ -55,20 +57,36 @@ alignas(64) constexpr uint16_t kPairOrder[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 
                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 // Group g of a block as one B tile: row p holds inputs (g*32 + 2p, g*32 + 2p + 1) of each of the
-// 16 outputs.
-template <typename S>
+// 16 outputs. Bits 8: mn null means Q8_0's m = -128 d.
+template <int Bits, typename S>
 inline void dequantize_group(const uint8_t* wg, const S* d, const S* mn, uint32_t* tile) {
-  const __m512i low4 = _mm512_set1_epi32(0xF);
   const __m512i order = _mm512_load_si512(kPairOrder);
-  const __m512 dv = load16(d), mv = load16(mn);
+  const __m512 dv = load16(d);
+  auto pair = [&](__m512 even, __m512 odd, int64_t p) {
+    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
+    _mm512_store_si512(tile + p * 16, _mm512_permutexvar_epi16(order, both));
+  };
+  if constexpr (Bits == 8) {
+    // d * (c - 128) is exact in float32 for float16 d, as is d * c - 128 d: the dense copy's value
+    const __m512 mv = mn ? load16(mn) : _mm512_mul_ps(dv, _mm512_set1_ps(-128.0f));
+    const __m512i byte = _mm512_set1_epi32(0xFF);
+    auto value = [&](__m512i v, int shift) {
+      const __m512i c = _mm512_and_si512(_mm512_srli_epi32(v, shift), byte);
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), dv, mv);
+    };
+    for (int64_t h = 0; h < 8; ++h) {
+      const __m512i v = _mm512_loadu_si512(wg + h * 64);
+      pair(value(v, 0), value(v, 8), 2 * h);        // inputs 4h, 4h+1
+      pair(value(v, 16), value(v, 24), 2 * h + 1);  // 4h+2, 4h+3
+    }
+    return;
+  }
+  const __m512i low4 = _mm512_set1_epi32(0xF);
+  const __m512 mv = load16(mn);
   // with GGUF's float16 scales d * c is exact in float32, so this equals the dense copy's value
   auto value = [&](__m512i v, int shift) {
     const __m512i c = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(shift)), low4);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), dv, mv);
-  };
-  auto pair = [&](__m512 even, __m512 odd, int64_t p) {
-    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
-    _mm512_store_si512(tile + p * 16, _mm512_permutexvar_epi16(order, both));
   };
   for (int64_t h = 0; h < 4; ++h) {
     const __m512i v = _mm512_loadu_si512(wg + h * 64);
@@ -85,12 +103,12 @@ inline void prefetch_block(const uint8_t* wp, const void* d, const void* mn, int
   for (int64_t i = 0; i < weight_bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(wp + i), _MM_HINT_T0);
   for (int64_t i = 0; i < scale_bytes; i += 64) {
     _mm_prefetch(static_cast<const char*>(d) + i, _MM_HINT_T0);
-    _mm_prefetch(static_cast<const char*>(mn) + i, _MM_HINT_T0);
+    if (mn) _mm_prefetch(static_cast<const char*>(mn) + i, _MM_HINT_T0);
   }
 }
 
 // NT row tiles of x (16 rows each, row stride K) times one dequantized block, float32 into c [NT*16][16].
-template <int NT, typename S>
+template <int Bits, int NT, typename S>
 void multiply_block(const uint16_t* x, int64_t K, int64_t G, uint32_t* w, float* c, const uint8_t* wp, const S* d,
                     const S* mn) {
   _tile_zero(0);
@@ -100,7 +118,7 @@ void multiply_block(const uint16_t* x, int64_t K, int64_t G, uint32_t* w, float*
   const int64_t stride = K * 2, tile_rows = 16 * K;
   for (int64_t g = 0; g < G; ++g) {
     // dequantized on the block's first pass, while the tile unit multiplies the group before
-    if (wp) dequantize_group(wp + g * 256, d + g * kLanes, mn + g * kLanes, w + g * 256);
+    if (wp) dequantize_group<Bits>(wp + g * Bits * 64, d + g * kLanes, mn ? mn + g * kLanes : nullptr, w + g * 256);
     _tile_loadd(4, w + g * 256, 64);
     _tile_loadd(5, x + g * kGroup, stride);
     _tile_dpbf16ps(0, 5, 4);
@@ -132,7 +150,7 @@ inline void store16(const float* c, T* out) {
                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(c))));
 }
 
-template <typename S, typename T>
+template <int Bits, typename S, typename T>
 void run(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wp, const S* d, const S* mn, int64_t blocks,
          T* out) {
   const int64_t G = K / kGroup, N = blocks * kLanes, padded = (M + 15) / 16 * 16;
@@ -148,19 +166,20 @@ void run(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wp, const S* d,
       const int64_t r1 = std::min(padded, r0 + kRowChunk);
       for (int64_t b = b0; b < b1; ++b) {
         if (b + 1 < b1)
-          prefetch_block(wp + (b + 1) * G * 256, d + (b + 1) * G * kLanes, mn + (b + 1) * G * kLanes, G * 256,
+          prefetch_block(wp + (b + 1) * G * Bits * 64, d + (b + 1) * G * kLanes,
+                         mn ? mn + (b + 1) * G * kLanes : nullptr, G * Bits * 64,
                          G * kLanes * static_cast<int64_t>(sizeof(S)));
         for (int64_t m0 = r0; m0 < r1; m0 += kTiles * 16) {
           const int64_t nt = std::min<int64_t>(kTiles, (r1 - m0) / 16);
           const uint16_t* xm = x + m0 * K;
-          const uint8_t* wb = m0 == r0 ? wp + b * G * 256 : nullptr;
+          const uint8_t* wb = m0 == r0 ? wp + b * G * Bits * 64 : nullptr;
           const S* db = d + b * G * kLanes;
-          const S* mb = mn + b * G * kLanes;
+          const S* mb = mn ? mn + b * G * kLanes : nullptr;
           switch (nt) {
-            case 1: multiply_block<1>(xm, K, G, w, c, wb, db, mb); break;
-            case 2: multiply_block<2>(xm, K, G, w, c, wb, db, mb); break;
-            case 3: multiply_block<3>(xm, K, G, w, c, wb, db, mb); break;
-            default: multiply_block<4>(xm, K, G, w, c, wb, db, mb); break;
+            case 1: multiply_block<Bits, 1>(xm, K, G, w, c, wb, db, mb); break;
+            case 2: multiply_block<Bits, 2>(xm, K, G, w, c, wb, db, mb); break;
+            case 3: multiply_block<Bits, 3>(xm, K, G, w, c, wb, db, mb); break;
+            default: multiply_block<Bits, 4>(xm, K, G, w, c, wb, db, mb); break;
           }
           const int64_t rows = std::min(M - m0, nt * 16);
           for (int64_t r = 0; r < rows; ++r) store16(c + r * kLanes, out + (m0 + r) * N + b * kLanes);
@@ -186,9 +205,11 @@ int64_t q4_linear_tiles_rows() {
 #endif
 }
 
-void q4_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
-                   const at::Tensor& mn) {
 #ifdef PAGEDSERVE_AMX
+namespace {
+template <int Bits>
+void coded_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                      const at::Tensor& mn) {
   const int64_t M = x.size(0), K = x.size(1), blocks = d.size(0);
   const auto* xr = reinterpret_cast<const uint16_t*>(x.data_ptr());
   if (M % 16) {  // rows padded to whole tiles with zeros (their results are dropped)
@@ -201,14 +222,30 @@ void q4_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   auto go = [&](const auto* dp, const auto* mp) {
     if (out.scalar_type() == at::kFloat)
-      run(xr, M, K, wp, dp, mp, blocks, out.data_ptr<float>());
+      run<Bits>(xr, M, K, wp, dp, mp, blocks, out.data_ptr<float>());
     else
-      run(xr, M, K, wp, dp, mp, blocks, out.data_ptr<c10::BFloat16>());
+      run<Bits>(xr, M, K, wp, dp, mp, blocks, out.data_ptr<c10::BFloat16>());
   };
+  const bool no_m = mn.numel() == 0;
   if (d.scalar_type() == at::kHalf)
-    go(d.data_ptr<c10::Half>(), mn.data_ptr<c10::Half>());
+    go(d.data_ptr<c10::Half>(), no_m ? nullptr : mn.data_ptr<c10::Half>());
   else
-    go(d.data_ptr<float>(), mn.data_ptr<float>());
+    go(d.data_ptr<float>(), no_m ? nullptr : mn.data_ptr<float>());
+}
+}  // namespace
+#endif
+
+void q4_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                   const at::Tensor& mn) {
+#ifdef PAGEDSERVE_AMX
+  coded_linear_amx<4>(out, x, packed, d, mn);
+#endif
+}
+
+void q8_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                   const at::Tensor& mn) {
+#ifdef PAGEDSERVE_AMX
+  coded_linear_amx<8>(out, x, packed, d, mn);
 #endif
 }
 

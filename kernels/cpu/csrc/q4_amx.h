@@ -1,4 +1,4 @@
-// The AMX path of Q4_1 linears (q4_amx.cpp), for bfloat16 rows: q4_linear_tiles.
+// The AMX path of Q4_1 linears and Q8_0 heads (q4_amx.cpp), for bfloat16 rows: q4_linear_tiles, q8_linear_tiles.
 #pragma once
 
 #include "common.h"
@@ -18,6 +18,9 @@ int64_t q4_linear_tiles_rows();
 
 // q4_linear's contract (arguments already checked by coded_linear); out float32 or bfloat16.
 void q4_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                   const at::Tensor& mn);
+// The same for q8_linear's 8-bit codes (mn empty: Q8_0's m = -128 d).
+void q8_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                    const at::Tensor& mn);
 
 }  // namespace pagedserve

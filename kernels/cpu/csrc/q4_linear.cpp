@@ -354,7 +354,7 @@ void block_rows(const uint8_t* wp, const S* d, const S* mn, Rows x, int64_t rows
 #endif
 
 // Sym: 8-bit codes of Q8_0 weights, whose m (-128 d) the caller leaves out (mn empty).
-// tiles: Q4_1 by q4_amx.cpp's tile path instead of the integer one (bfloat16 x, AMX).
+// tiles: by q4_amx.cpp's tile path instead of the integer one (bfloat16 x, AMX).
 template <int Bits>
 void coded_linear(const char* name, at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                   const at::Tensor& d, const at::Tensor& mn, bool tiles = false) {
@@ -374,8 +374,11 @@ void coded_linear(const char* name, at::Tensor& out, const at::Tensor& x, const 
                   out.size(0) == M && out.size(1) == N && out.is_contiguous(),
               name, ": out must be float32 or x's dtype, [M, N], contiguous");
   if (tiles) {
-    TORCH_CHECK(Bits == 4 && q4_amx_applies(x), name, ": needs bfloat16 rows and AMX tiles (q4_linear_tiles_rows)");
-    return q4_linear_amx(out, x, packed, d, mn);
+    TORCH_CHECK(q4_amx_applies(x), name, ": needs bfloat16 rows and AMX tiles (q4_linear_tiles_rows)");
+    if constexpr (Bits == 8)
+      return q8_linear_amx(out, x, packed, d, mn);
+    else
+      return q4_linear_amx(out, x, packed, d, mn);
   }
   // uninitialised: every byte is written before it is read
   std::unique_ptr<int8_t[]> cx(new int8_t[M * K]);
@@ -453,6 +456,12 @@ void q4_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
 void q8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                const at::Tensor& mn) {
   coded_linear<8>("q8_linear", out, x, packed, d, mn);
+}
+
+// q8_linear on AMX tiles (q4_amx.cpp), as q4_linear_tiles: the dense bfloat16 weights' results.
+void q8_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                     const at::Tensor& mn) {
+  coded_linear<8>("q8_linear_tiles", out, x, packed, d, mn, true);
 }
 
 }  // namespace pagedserve
