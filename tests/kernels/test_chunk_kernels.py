@@ -62,6 +62,27 @@ def test_sliding_windows_and_block_sizes(kernel, window, ctx, q_len, block_size)
     torch.testing.assert_close(got.float(), chunk_kernels.reference(*args), **TOL)
 
 
+@pytest.mark.parametrize("growth", [0.01, 0.05, -0.02])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_scores_that_keep_rising_or_falling_along_the_context(kernel, growth):
+    """Keys whose scale grows (or shrinks) with their position, so that a row's largest score keeps
+    moving block after block by far more than a lazily raised max allows (AMX: kLazyRescale, 2^8),
+    and its sum and accumulators are rescaled many times; scores span ~+-100 at the extremes."""
+    ctx = 700
+    inputs = build([(ctx, ctx)], 9, 3, 64, 16, torch.bfloat16, seed=11)
+    table = inputs["block_tables"][0]
+    k = inputs["k_cache"].float()
+    pos = torch.arange(ctx)
+    slots = table[pos // 16].long() * 16 + pos % 16
+    flat = k.view(-1, *k.shape[2:])
+    flat[slots] *= torch.exp(growth * pos.float())[:, None, None].clamp(max=40)
+    k_cache = flat.view_as(k).bfloat16()
+    query = inputs["query"] * 4
+    args = (query, k_cache, inputs["v_cache"], table, ctx, 0.125)
+    got = chunk_kernels.chunk_attention(ext, kernel, *args)
+    torch.testing.assert_close(got.float(), chunk_kernels.reference(*args), **TOL)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_the_backend_sends_long_bfloat16_chunks_here(kernel):
     from kernels.cpu.backend import make_backend
