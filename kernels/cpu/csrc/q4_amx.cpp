@@ -1,7 +1,8 @@
 // Q4_1 (and Q8_0) linear on AMX tiles for steps of many rows (bfloat16 activations): each block of 16 output
 // rows has its 4-bit weights dequantized once per call to bfloat16 (w = d * c + m, rounded as
 // torch rounds float32 to bfloat16: the dense copy's weights) in the tile unit's
-// pair-row layout, then every 16-row tile of the input multiplies them, 4 such tiles per pass.
+// pair-row layout, then every 16-row tile of the input multiplies them, 4 such tiles per pass; from
+// kPairRows rows on, two blocks at a time times two row tiles, so each tile loaded feeds two products.
 // The weights are read at 4 bits from memory instead of 16, and unlike q4_linear's integer path
 // (whose per-row work grows with the rows) the multiply runs on the tile unit.
 //
@@ -29,6 +30,12 @@ namespace {
 constexpr int64_t kGroup = 32, kLanes = 16;
 constexpr int64_t kTiles = 4;         // input row tiles per pass (accumulator tiles 0-3)
 constexpr int64_t kRowChunk = 256;    // input rows whose bfloat16 values stay in L2 while a block is dequantized
+// From this many rows, output blocks go in pairs (multiply_pair): in a step of 64 decode rows + a
+// 150-token chunk (214 rows) SmolLM2's int4 matmuls took 36.9-38.6 ms that way against 41.9-45.5 one
+// block at a time and oneDNN's 43.0-44.1 (`step_profile --prefill 150 --int4-rows 100000`,
+// alternated, AMX Xeon); at 32 and 64 decode rows pairs were level with single blocks (11.1-11.3
+// vs 11.6-11.8 ms, 15.9-16.4 vs 14.7-15.5).
+constexpr int64_t kPairRows = 128;
 
 // A 64-byte-aligned buffer of at least `count` T per thread and Slot, kept between calls (grown only):
 // allocating it afresh each call cost page faults worth ~30% of a step's time at 20 rows. Aligned, as
@@ -141,6 +148,43 @@ void multiply_block(const uint16_t* x, int64_t K, int64_t G, uint32_t* w, float*
   if constexpr (NT > 3) _tile_stored(3, c + 768, 64);
 }
 
+// Two output blocks at once (dequantized into w0 and w1 on the first pass, wb0/wb1 non-null) times NT
+// (1 or 2) row tiles: each A tile loaded feeds both blocks, each B tile both row tiles, four
+// accumulators (0-1 block 0, 2-3 block 1), float32 into c [2][NT*16][16].
+template <int Bits, int NT, typename S>
+void multiply_pair(const uint16_t* x, int64_t K, int64_t G, uint32_t* w0, uint32_t* w1, float* c, const uint8_t* wb0,
+                   const uint8_t* wb1, const S* d0, const S* d1, const S* mn0, const S* mn1) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if constexpr (NT > 1) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  const int64_t stride = K * 2, tile_rows = 16 * K;
+  for (int64_t g = 0; g < G; ++g) {
+    if (wb0) {
+      dequantize_group<Bits>(wb0 + g * Bits * 64, d0 + g * kLanes, mn0 ? mn0 + g * kLanes : nullptr, w0 + g * 256);
+      dequantize_group<Bits>(wb1 + g * Bits * 64, d1 + g * kLanes, mn1 ? mn1 + g * kLanes : nullptr, w1 + g * 256);
+    }
+    _tile_loadd(6, w0 + g * 256, 64);
+    _tile_loadd(7, w1 + g * 256, 64);
+    _tile_loadd(4, x + g * kGroup, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    if constexpr (NT > 1) {
+      _tile_loadd(5, x + tile_rows + g * kGroup, stride);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 64);
+  _tile_stored(2, c + NT * 256, 64);
+  if constexpr (NT > 1) {
+    _tile_stored(1, c + 256, 64);
+    _tile_stored(3, c + NT * 256 + 256, 64);
+  }
+}
+
 template <typename T>
 inline void store16(const float* c, T* out) {
   if constexpr (std::is_same_v<T, float>)
@@ -159,12 +203,41 @@ void run(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wp, const S* d,
   {
     amx::configure_tiles();
     uint32_t* w = thread_scratch<0, uint32_t>(G * 256);  // the block's dequantized B tiles
+    uint32_t* w1 = thread_scratch<2, uint32_t>(G * 256);  // a second block's, for pairs
     alignas(64) float c[kTiles * 16 * kLanes];
     const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
     const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
+    const bool pairs = padded >= kPairRows;
     for (int64_t r0 = 0; r0 < padded; r0 += kRowChunk) {
       const int64_t r1 = std::min(padded, r0 + kRowChunk);
       for (int64_t b = b0; b < b1; ++b) {
+        if (pairs && b + 1 < b1) {  // blocks b and b + 1 together
+          if (b + 2 < b1)
+            prefetch_block(wp + (b + 2) * G * Bits * 64, d + (b + 2) * G * kLanes,
+                           mn ? mn + (b + 2) * G * kLanes : nullptr, 2 * G * Bits * 64,
+                           2 * G * kLanes * static_cast<int64_t>(sizeof(S)));
+          for (int64_t m0 = r0; m0 < r1; m0 += 32) {
+            const int64_t nt = std::min<int64_t>(2, (r1 - m0) / 16);
+            const bool first = m0 == r0;
+            const uint8_t* wb0 = first ? wp + b * G * Bits * 64 : nullptr;
+            const uint8_t* wb1 = first ? wp + (b + 1) * G * Bits * 64 : nullptr;
+            const S* mb0 = mn ? mn + b * G * kLanes : nullptr;
+            const S* mb1 = mn ? mn + (b + 1) * G * kLanes : nullptr;
+            if (nt == 2)
+              multiply_pair<Bits, 2>(x + m0 * K, K, G, w, w1, c, wb0, wb1, d + b * G * kLanes,
+                                     d + (b + 1) * G * kLanes, mb0, mb1);
+            else
+              multiply_pair<Bits, 1>(x + m0 * K, K, G, w, w1, c, wb0, wb1, d + b * G * kLanes,
+                                     d + (b + 1) * G * kLanes, mb0, mb1);
+            const int64_t rows = std::min(M - m0, nt * 16);
+            for (int64_t r = 0; r < rows; ++r) {
+              store16(c + r * kLanes, out + (m0 + r) * N + b * kLanes);
+              store16(c + nt * 256 + r * kLanes, out + (m0 + r) * N + (b + 1) * kLanes);
+            }
+          }
+          ++b;
+          continue;
+        }
         if (b + 1 < b1)
           prefetch_block(wp + (b + 1) * G * Bits * 64, d + (b + 1) * G * kLanes,
                          mn ? mn + (b + 1) * G * kLanes : nullptr, G * Bits * 64,
