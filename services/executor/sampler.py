@@ -33,15 +33,30 @@ def draw_seed(seed: int, output_index: int) -> int:
     return int.from_bytes(digest, "little") >> 1  # manual_seed wants < 2**63 here
 
 
+def cpu_kernels():
+    """The C++ CPU kernels (kernels.cpu.build.load, built once per machine), or None."""
+    from kernels.cpu.build import load
+
+    return load()
+
+
 def greedy_tokens(logits: Tensor, rows: list[int]) -> list[int]:
     """The argmax of these rows (the first of equal maxima), -1 for a row that is -inf throughout
-    (it allows no token: the argmax's own logit tells, one gather). On the CPU numpy's: torch's
-    argmax over a 49k vocabulary takes ~100 us a row on an AVX2 CPU, numpy's ~6 us."""
+    (it allows no token: the argmax's own logit tells, one gather). On the CPU the C++ kernels'
+    `argmax_rows` (rows on OpenMP threads, numpy's semantics: 0.21 vs 0.58 ms for 64 rows of a 49k
+    vocabulary on the AMX Xeon), else numpy's: torch's argmax over a 49k vocabulary takes ~100 us a
+    row on an AVX2 CPU, numpy's ~6 us."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        values = logits.numpy()
-        sub = values if len(rows) == len(values) else values[rows]
-        picks = sub.argmax(axis=-1)
-        return np.where(sub[np.arange(len(picks)), picks] == -np.inf, -1, picks).tolist()
+        sub = logits if len(rows) == len(logits) else logits[rows]
+        ext = cpu_kernels()
+        if ext is not None and sub.shape[1] > 0:
+            picks = torch.empty(sub.shape[0], dtype=torch.long)
+            ext.argmax_rows(picks, sub.contiguous())
+            picks = picks.numpy()
+        else:
+            picks = sub.numpy().argmax(axis=-1)
+        values = sub.numpy()
+        return np.where(values[np.arange(len(picks)), picks] == -np.inf, -1, picks).tolist()
     sub = logits[rows]
     picks = sub.argmax(dim=-1)
     return picks.masked_fill(sub.gather(1, picks[:, None])[:, 0] == float("-inf"), -1).tolist()

@@ -418,3 +418,22 @@ def test_rope_and_cache_writes_a_cache_in_another_dtype(dtypes):
     kv_atol, kv_rtol = (atol, rtol) if kv_dtype == torch.float32 else (1e-6, 2**-7)
     torch.testing.assert_close(caches[2], caches[0], atol=kv_atol, rtol=kv_rtol)
     torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 100, 49152])
+def test_argmax_rows_is_numpys_argmax(vocab):
+    """The first index of each row's maximum (ties, -inf rows, a maximum in the tail past the last
+    16 lanes), and of the first NaN in a row that has one, as numpy's argmax."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-3, 4, (12, vocab), generator=g).float()  # many ties
+    x[1] = float("-inf")
+    x[2, -1] = 100.0
+    x[3, vocab // 2] = float("nan")
+    x[4, -1] = float("nan")
+    x[5] = 7.0
+    x[6, vocab // 3] = float("inf")
+    out = torch.empty(12, dtype=torch.long)
+    ext.argmax_rows(out, x)
+    assert out.tolist() == x.numpy().argmax(axis=-1).tolist()
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.argmax_rows(out, x.bfloat16())

@@ -21,6 +21,7 @@ void q8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
                const at::Tensor& mn);
 void q8_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                      const at::Tensor& mn);
+void argmax_rows(at::Tensor& out, const at::Tensor& logits);
 bool amx_attention_available();
 void amx_chunk_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_table, int64_t ctx_len, double scale, int64_t sliding_window);
@@ -62,6 +63,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &pagedserve::q8_linear, "x @ w.T for packed 8-bit codes (w = d * c + m), rows quantized as q4_linear's");
   m.def("q8_linear_tiles", &pagedserve::q8_linear_tiles,
         "q8_linear on AMX tiles: bfloat16 x times the weights dequantized to bfloat16 (rows as q4_linear_tiles_rows)");
+  m.def("argmax_rows", &pagedserve::argmax_rows,
+        "out[r] = the first index of row r's maximum (of its first NaN if any), as numpy's argmax");
   m.def("lora_grouped", &pagedserve::lora_grouped,
         "out[rows] += (x[rows] @ A_s^T) @ B_s^T per group of rows under one slot's columns of stacked A, B^T");
 }
