@@ -48,14 +48,14 @@ def greedy_tokens(logits: Tensor, rows: list[int]) -> list[int]:
     row on an AVX2 CPU, numpy's ~6 us."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         sub = logits if len(rows) == len(logits) else logits[rows]
+        values = sub.numpy()
         ext = cpu_kernels()
         if ext is not None and sub.shape[1] > 0:
             picks = torch.empty(sub.shape[0], dtype=torch.long)
             ext.argmax_rows(picks, sub.contiguous())
             picks = picks.numpy()
         else:
-            picks = sub.numpy().argmax(axis=-1)
-        values = sub.numpy()
+            picks = values.argmax(axis=-1)
         return np.where(values[np.arange(len(picks)), picks] == -np.inf, -1, picks).tolist()
     sub = logits[rows]
     picks = sub.argmax(dim=-1)

@@ -8,9 +8,9 @@ cache, does not allow: on one host an int4 matmul took 125 us in that loop and
 steps of m sequences both ways, int4 copies on and off (and then the int8 head on
 and off), and keeps the largest m at which the quantized step is still faster. Steps of more
 than MIXED_ABOVE rows are timed as a server runs them at that size: MIXED_ABOVE decode rows and
-a prompt chunk (decode-only steps of 128-256 rows timed the int4 tiles level with or ahead of
-the dense weights, where steps of 64 decode rows + 150 prompt tokens ran their matmuls 4-7%
-slower on them: an AMX Xeon). A Q8_0 head's int8 copy on AMX tiles gets its own onset the same way. Where the
+a prompt chunk, as C=64 runs them (decode-only steps of that size stood in before; on an AMX
+Xeon the two kinds put the int4 tiles and the dense weights level within the host's noise). A
+Q8_0 head's int8 copy on AMX tiles gets its own onset the same way. Where the
 int4 copies can also run on AMX tiles (bfloat16), the smallest m from which that beats their
 integer path is found first (`tiles_onset`).
 
@@ -61,19 +61,11 @@ def decode_step(rows: int, context: int, block_size: int, num_blocks: int) -> Ex
 
 
 def mixed_step(decode_rows: int, chunk: int, context: int, block_size: int, num_blocks: int) -> ExecuteStep | None:
-    """decode_step(decode_rows, context) and one sequence's first prompt chunk of `chunk` tokens on
-    blocks after theirs; None if the pool is too small."""
+    """decode_step(decode_rows, context) and prefill_step(chunk) on blocks after theirs; None if the
+    pool is too small."""
     step = decode_step(decode_rows, context, block_size, num_blocks)
-    first = 1 + decode_rows * -(-context // block_size)
-    per_seq = -(-chunk // block_size)
-    if step is None or first + per_seq > num_blocks:
-        return None
-    table = list(range(first, first + per_seq))
-    slots = [table[p // block_size] * block_size + p % block_size for p in range(chunk)]
-    prompt = ScheduledSeq(request_id="calibration-prompt", token_ids=[1 + p % 1000 for p in range(chunk)],
-                          start_pos=0, block_table=table, slot_mapping=slots, sample=True, output_index=0,
-                          sampling=GREEDY)
-    return ExecuteStep(step_id=0, seqs=[*step.seqs, prompt])
+    prompt = prefill_step(chunk, block_size, num_blocks, first_block=1 + decode_rows * -(-context // block_size))
+    return None if step is None or prompt is None else ExecuteStep(step_id=0, seqs=[*step.seqs, *prompt.seqs])
 
 
 def _forward_time(runner, meta: BatchMetadata) -> float:
@@ -115,9 +107,9 @@ def _best_times(runner, meta, use: Callable[[bool], None], reps: int) -> tuple[f
 
 def tiles_onset(runner, copies: list, context: int, rows: tuple[int, ...] = TILES_ROWS, reps: int = 3,
                 label: str = "int4 linears") -> int:
-    """Smallest m in `rows` from which a decode step of m sequences is faster with the int4 copies on
-    AMX tiles (q4_linear_tiles, from m rows on) than on q4_linear's integer path, which is set as their
-    `tiles_from`; ALL_ROWS (tiles never) if none is. The copies serve every step while it times. The
+    """Smallest m in `rows` from which a decode step of m sequences is faster with the copies (the int4
+    linears', or the Q8_0 head's: `label`) on AMX tiles (q4_linear_tiles or q8_linear_tiles, from m rows
+    on) than on their integer path, which is set as their `tiles_from`; ALL_ROWS (tiles never) if none is. The copies serve every step while it times. The
     onset is the model's: the tiles dequantize every weight once per call, which SmolLM2's shapes
     repay from ~28 rows and a 1B model's from between 32 and 64 (Xeon, benchmarks.quantized_linear_dram
     --tiles)."""
@@ -175,12 +167,13 @@ def crossover(runner, use_rows: Callable[[int], None], label: str, context: int,
     return best
 
 
-def prefill_step(rows: int, block_size: int, num_blocks: int) -> ExecuteStep | None:
-    """One sequence's first prompt chunk of `rows` tokens on blocks 1..; None if the pool is too small."""
+def prefill_step(rows: int, block_size: int, num_blocks: int, first_block: int = 1) -> ExecuteStep | None:
+    """One sequence's first prompt chunk of `rows` tokens on blocks first_block..; None if the pool is
+    too small."""
     per_seq = -(-rows // block_size)
-    if per_seq > num_blocks - 1:
+    if first_block + per_seq > num_blocks:
         return None
-    table = list(range(1, 1 + per_seq))
+    table = list(range(first_block, first_block + per_seq))
     slots = [table[p // block_size] * block_size + p % block_size for p in range(rows)]
     seq = ScheduledSeq(request_id="calibration-prefill", token_ids=[1 + p % 1000 for p in range(rows)], start_pos=0,
                        block_table=table, slot_mapping=slots, sample=True, output_index=0, sampling=GREEDY)

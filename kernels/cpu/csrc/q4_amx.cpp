@@ -208,27 +208,30 @@ void run(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wp, const S* d,
     const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
     const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
     const bool pairs = padded >= kPairRows;
+    // block b's packed weights, scales and mins (none: Q8_0's -128 d)
+    auto weights_at = [&](int64_t b) { return wp + b * G * Bits * 64; };
+    auto d_at = [&](int64_t b) { return d + b * G * kLanes; };
+    auto mn_at = [&](int64_t b) { return mn ? mn + b * G * kLanes : nullptr; };
+    auto prefetch = [&](int64_t b, int64_t count) {  // blocks b..b + count - 1, contiguous
+      prefetch_block(weights_at(b), d_at(b), mn_at(b), count * G * Bits * 64,
+                     count * G * kLanes * static_cast<int64_t>(sizeof(S)));
+    };
     for (int64_t r0 = 0; r0 < padded; r0 += kRowChunk) {
       const int64_t r1 = std::min(padded, r0 + kRowChunk);
       for (int64_t b = b0; b < b1; ++b) {
         if (pairs && b + 1 < b1) {  // blocks b and b + 1 together
-          if (b + 2 < b1)
-            prefetch_block(wp + (b + 2) * G * Bits * 64, d + (b + 2) * G * kLanes,
-                           mn ? mn + (b + 2) * G * kLanes : nullptr, 2 * G * Bits * 64,
-                           2 * G * kLanes * static_cast<int64_t>(sizeof(S)));
+          if (b + 2 < b1) prefetch(b + 2, std::min<int64_t>(2, b1 - b - 2));
           for (int64_t m0 = r0; m0 < r1; m0 += 32) {
             const int64_t nt = std::min<int64_t>(2, (r1 - m0) / 16);
             const bool first = m0 == r0;
-            const uint8_t* wb0 = first ? wp + b * G * Bits * 64 : nullptr;
-            const uint8_t* wb1 = first ? wp + (b + 1) * G * Bits * 64 : nullptr;
-            const S* mb0 = mn ? mn + b * G * kLanes : nullptr;
-            const S* mb1 = mn ? mn + (b + 1) * G * kLanes : nullptr;
+            const uint8_t* wb0 = first ? weights_at(b) : nullptr;
+            const uint8_t* wb1 = first ? weights_at(b + 1) : nullptr;
             if (nt == 2)
-              multiply_pair<Bits, 2>(x + m0 * K, K, G, w, w1, c, wb0, wb1, d + b * G * kLanes,
-                                     d + (b + 1) * G * kLanes, mb0, mb1);
+              multiply_pair<Bits, 2>(x + m0 * K, K, G, w, w1, c, wb0, wb1, d_at(b), d_at(b + 1), mn_at(b),
+                                     mn_at(b + 1));
             else
-              multiply_pair<Bits, 1>(x + m0 * K, K, G, w, w1, c, wb0, wb1, d + b * G * kLanes,
-                                     d + (b + 1) * G * kLanes, mb0, mb1);
+              multiply_pair<Bits, 1>(x + m0 * K, K, G, w, w1, c, wb0, wb1, d_at(b), d_at(b + 1), mn_at(b),
+                                     mn_at(b + 1));
             const int64_t rows = std::min(M - m0, nt * 16);
             for (int64_t r = 0; r < rows; ++r) {
               store16(c + r * kLanes, out + (m0 + r) * N + b * kLanes);
@@ -238,16 +241,13 @@ void run(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wp, const S* d,
           ++b;
           continue;
         }
-        if (b + 1 < b1)
-          prefetch_block(wp + (b + 1) * G * Bits * 64, d + (b + 1) * G * kLanes,
-                         mn ? mn + (b + 1) * G * kLanes : nullptr, G * Bits * 64,
-                         G * kLanes * static_cast<int64_t>(sizeof(S)));
+        if (b + 1 < b1) prefetch(b + 1, 1);
         for (int64_t m0 = r0; m0 < r1; m0 += kTiles * 16) {
           const int64_t nt = std::min<int64_t>(kTiles, (r1 - m0) / 16);
           const uint16_t* xm = x + m0 * K;
-          const uint8_t* wb = m0 == r0 ? wp + b * G * Bits * 64 : nullptr;
-          const S* db = d + b * G * kLanes;
-          const S* mb = mn ? mn + b * G * kLanes : nullptr;
+          const uint8_t* wb = m0 == r0 ? weights_at(b) : nullptr;
+          const S* db = d_at(b);
+          const S* mb = mn_at(b);
           switch (nt) {
             case 1: multiply_block<Bits, 1>(xm, K, G, w, c, wb, db, mb); break;
             case 2: multiply_block<Bits, 2>(xm, K, G, w, c, wb, db, mb); break;
