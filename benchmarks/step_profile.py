@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kv-blocks", type=int, default=4096)
-    p.add_argument("--prepack", default="auto", choices=("auto", "none"))
+    p.add_argument("--prepack", default="auto", choices=("auto", "tiles", "onednn", "none"))
     p.add_argument("--int4-rows", type=int, default=None,
                    help="steps of at most this many rows on the int4 copies, instead of the calibrated limit")
     args = p.parse_args(argv)

@@ -51,6 +51,9 @@ class AttentionBackend:
     q4_tiles_min_rows: int = 0
     # q8_linear's on AMX tiles (kernels.reference.q8_linear_tiles), for a Q8_0 head's bfloat16 steps of many rows
     q8_linear_tiles: Callable | None = None
+    # bfloat16 x @ w.T for a weight in kernels.reference.pack_tiles' layout (kernels.reference.bf16_linear_tiles;
+    # may take out=, float32 or bfloat16); None: not offered
+    bf16_linear_tiles: Callable | None = None
 
 
 _BACKENDS: dict[str, AttentionBackend] = {

@@ -271,6 +271,32 @@ def q8_linear_tiles(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor, out: Tenso
     return y.to(x.dtype) if out is None else out.copy_(y)
 
 
+def pack_tiles(weight: Tensor) -> Tensor:
+    """A bfloat16 weight [N, K] (N a multiple of 16, K of 32) in the AMX tile unit's pair-row layout, as
+    bf16_linear_tiles reads it: int32 [N/16, K/32, 16, 16], element [b, g, p, l] holding the pair
+    (w[16b + l, 32g + 2p], w[16b + l, 32g + 2p + 1]), each 16 x 16 slice one B tile."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or n % 16 or k % 32:
+        raise ValueError(f"pack_tiles takes a bfloat16 [N, K] weight with N % 16 == 0 and K % 32 == 0, "
+                         f"not {weight.dtype} {tuple(weight.shape)}")
+    tiles = weight.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return tiles.view(torch.int32).view(n // 16, k // 32, 16, 16)
+
+
+def unpack_tiles(packed: Tensor) -> Tensor:
+    """pack_tiles' inverse: the bfloat16 weight [N, K]."""
+    blocks, groups = packed.shape[:2]
+    pairs = packed.contiguous().view(torch.bfloat16).view(blocks, groups, 16, 16, 2)
+    return pairs.permute(0, 3, 1, 2, 4).reshape(blocks * 16, groups * 32)
+
+
+def bf16_linear_tiles(x: Tensor, packed: Tensor, out: Tensor | None = None) -> Tensor:
+    """What the CPU kernel of that name computes: bfloat16 x @ unpack_tiles(packed).T summed in float32
+    (here in float64, so the kernel differs by its float32 rounding); into out (float32 or bfloat16)."""
+    y = (x.double() @ unpack_tiles(packed).double().t()).float()
+    return y.to(x.dtype) if out is None else out.copy_(y)
+
+
 def q8_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor, out: Tensor | None = None) -> Tensor:
     """q4_linear for 8-bit codes (`q8_pack`); into out (float32, or x's dtype) when given. An empty
     mn stands for Q8_0's -128 d (codes c + 128 of w = d * c)."""

@@ -139,6 +139,12 @@ def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int 
 
         return linear
 
+    def bf16_linear_tiles(x: Tensor, packed: Tensor, out: Tensor | None = None) -> Tensor:
+        if out is None:
+            out = torch.empty(x.shape[0], packed.shape[0] * 16, dtype=x.dtype)
+        kernels().bf16_linear_tiles(out, x.contiguous(), packed)
+        return out
+
     return AttentionBackend(
         name="cpu",
         write_kv_to_cache=reference.write_kv_to_cache,
@@ -157,6 +163,8 @@ def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int 
         q4_linear_tiles=coded_linear("q4_linear_tiles") if ext.q4_linear_tiles_rows() else None,
         q4_tiles_min_rows=ext.q4_linear_tiles_rows(),
         q8_linear_tiles=coded_linear("q8_linear_tiles") if ext.q4_linear_tiles_rows() else None,
+        # dense bfloat16 weights prepacked for the tiles (kernels.reference.pack_tiles), for --prepack
+        bf16_linear_tiles=bf16_linear_tiles if ext.q4_linear_tiles_rows() else None,
     )
 
 

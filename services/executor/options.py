@@ -26,9 +26,11 @@ class ExecutorOptions:
                                choices=("auto", "int4", "none"))
     int4_max_rows: int | None = option(None, "steps of at most this many tokens use the int4 copies (default: "
                                              "measured at load)", parse=int)
-    prepack: str = option("auto", "auto: on the CPU, also keep the dense bfloat16/float16 weights in oneDNN's blocked "
-                                  "layout, which steps of up to 512 rows multiply faster (the weights' bytes once "
-                                  "more; services.executor.prepack); none: F.linear only", choices=("auto", "none"))
+    prepack: str = option("auto", "auto: on the CPU, also keep the dense bfloat16/float16 weights prepacked for "
+                                  "steps of up to 512 rows (the weights' bytes once more; services.executor.prepack): "
+                                  "in the AMX tiles' layout where the CPU has AMX, else oneDNN's blocked layout; "
+                                  "tiles / onednn: that layout only; none: F.linear only",
+                          choices=("auto", "tiles", "onednn", "none"))
     kv_cache_dtype: str = option("auto", "auto: the compute dtype; bfloat16 with float32 compute halves the pool's "
                                          "bytes per block (CPU backends only)", choices=DTYPES)
     block_size: int = option(16, "tokens per KV block")

@@ -1,4 +1,5 @@
-"""Prepacked oneDNN weights (services.executor.prepack) against F.linear, and where they apply."""
+"""Prepacked weights (services.executor.prepack), oneDNN's and the AMX tiles', against F.linear, and where
+they apply."""
 
 from __future__ import annotations
 
@@ -6,12 +7,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu.build import load
 from services.executor.model_runner import ModelRunner
-from services.executor.prepack import PACKED_MAX_ROWS, pack, packed_or_dense, supported
+from services.executor.prepack import (
+    PACKED_MAX_ROWS,
+    TILES_MAX_ROWS,
+    attach_packed,
+    pack,
+    packed_or_dense,
+    supported,
+)
 from shared.messages import ExecuteStep, ScheduledSeq, SeqSampling
 
 needs_bf16_onednn = pytest.mark.skipif(supported(torch.bfloat16, "cpu") is not None,
                                        reason=f"no packing here: {supported(torch.bfloat16, 'cpu')}")
+_ext = load()
+TILES = None
+if _ext is not None and _ext.q4_linear_tiles_rows():
+    from kernels.cpu.backend import make_backend
+
+    TILES = make_backend(_ext).bf16_linear_tiles
+needs_tiles = pytest.mark.skipif(TILES is None, reason="no AMX tiles here")
 GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
 
 
@@ -28,6 +44,23 @@ def test_packed_matmul_equals_linear(rows, with_bias):
     # both round their bfloat16 output once; their float32 sums may differ in order only
     torch.testing.assert_close(got, want, atol=0.25, rtol=2e-2)
     torch.testing.assert_close(got, F.linear(x, w, b).float(), atol=0.25, rtol=2e-2)
+
+
+@needs_tiles
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 213, TILES_MAX_ROWS])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tiles_matmul_equals_linear(rows, with_bias):
+    torch.manual_seed(rows)
+    w = torch.randn(96, 64, dtype=torch.bfloat16)
+    b = torch.randn(96, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    packed = pack(w, b, tiles_op=TILES)
+    assert packed.max_rows == TILES_MAX_ROWS and packed.packed.dtype == torch.int32
+    got = packed.matmul(x).float()
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(got, want, atol=0.25, rtol=2e-2)
+    big = torch.randn(TILES_MAX_ROWS + 1, 64, dtype=torch.bfloat16)
+    assert torch.equal(packed_or_dense(packed, big, w, b), F.linear(big, w, b))  # above max_rows: F.linear itself
 
 
 @needs_bf16_onednn
@@ -69,6 +102,22 @@ def test_runner_packs_bfloat16_and_keeps_its_tokens(tiny_model_dir):
     assert all(m.packed is not None for m in packed.model.decoder_linears()) and packed.model.head_packed is not None
     assert all(m.packed is None for m in plain.model.decoder_linears()) and plain.model.head_packed is None
     assert _greedy(packed, prompt, 12) == _greedy(plain, prompt, 12)
+
+
+@needs_tiles
+@pytest.mark.parametrize("mode", ["tiles", "onednn"])
+def test_runner_prepack_modes(tiny_model_dir, mode):
+    """auto takes the tiles where the CPU has AMX; tiles and onednn force one layout; all keep the tokens."""
+    prompt = list(range(5, 40))
+    runner = ModelRunner(tiny_model_dir, dtype="bfloat16", quantization="none", num_kv_blocks=16, prepack=mode)
+    tiles = [m.packed.tiles_op is not None for m in runner.model.decoder_linears()]
+    assert tiles and all(tiles) == (mode == "tiles") and not any(tiles) == (mode == "onednn")
+    plain = ModelRunner(tiny_model_dir, dtype="bfloat16", quantization="none", num_kv_blocks=16, prepack="none")
+    assert _greedy(runner, prompt, 12) == _greedy(plain, prompt, 12)
+    auto = ModelRunner(tiny_model_dir, dtype="bfloat16", quantization="none", num_kv_blocks=16)
+    assert all(m.packed.tiles_op is not None for m in auto.model.decoder_linears())
+    with pytest.raises(ValueError, match="prepack"):
+        attach_packed(auto.model, "fast")
 
 
 def test_exact_and_deterministic_modes_keep_plain_weights(tiny_model_dir):

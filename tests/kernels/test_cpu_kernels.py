@@ -354,6 +354,57 @@ def test_q8_linear_tiles_matches_reference(scales, offset, rows):
         assert torch.equal(part, got[r0:r1])
 
 
+def test_pack_tiles_round_trips_and_rejects_partial_tiles():
+    w = torch.randn(48, 96).bfloat16()
+    packed = reference.pack_tiles(w)
+    assert packed.shape == (3, 3, 16, 16) and packed.dtype == torch.int32
+    assert torch.equal(reference.unpack_tiles(packed), w)
+    # B tile (block 1, group 2), pair row 5, lane 7: inputs 64 + 10 and 64 + 11 of output 16 + 7
+    pair = packed[1, 2, 5, 7:8].view(torch.bfloat16)
+    assert torch.equal(pair, w[23, 74:76])
+    for bad in (torch.randn(40, 96).bfloat16(), torch.randn(48, 80).bfloat16(), torch.randn(48, 96)):
+        with pytest.raises(ValueError, match="pack_tiles"):
+            reference.pack_tiles(bad)
+
+
+@needs_tiles
+@pytest.mark.parametrize(("n", "k"), [(48, 96), (64, 576), (96, 1536)])
+@pytest.mark.parametrize("rows", [1, 17, 32, 65, 300, 1100])
+def test_bf16_linear_tiles_matches_reference(n, k, rows):
+    """Dense bfloat16 weights in the tiles' layout: float32 sums within float32 rounding of the float64
+    reference, the bfloat16 output their rounding; an odd block count (48 outputs: 3 blocks, one thread's
+    last block alone), rows past a tile, a pair of tiles and a row chunk (1,100 rows of K=1536)."""
+    g = torch.Generator().manual_seed(rows * n)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    packed = reference.pack_tiles(w)
+    want = reference.bf16_linear_tiles(x, packed, torch.empty(rows, n)).double()
+    got = torch.empty(rows, n)
+    ext.bf16_linear_tiles(got, x, packed)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    typed = torch.empty(rows, n, dtype=torch.bfloat16)
+    ext.bf16_linear_tiles(typed, x, packed)
+    assert torch.equal(typed, got.bfloat16())
+    for r0, r1 in ((0, 1), (rows - 1, rows)):  # a row's bits whatever shares its call
+        part = torch.empty(r1 - r0, n)
+        ext.bf16_linear_tiles(part, x[r0:r1].contiguous(), packed)
+        assert torch.equal(part, got[r0:r1])
+    assert torch.equal(cpu.bf16_linear_tiles(x, packed), typed)
+
+
+@needs_tiles
+def test_bf16_linear_tiles_rejects_bad_arguments():
+    w = torch.randn(32, 64).bfloat16()
+    packed = reference.pack_tiles(w)
+    with pytest.raises(RuntimeError, match="columns"):
+        ext.bf16_linear_tiles(torch.empty(2, 32), torch.randn(2, 96).bfloat16(), packed)
+    with pytest.raises(RuntimeError, match="x"):
+        ext.bf16_linear_tiles(torch.empty(2, 32), torch.randn(2, 64), packed)
+    with pytest.raises(RuntimeError, match="out"):
+        ext.bf16_linear_tiles(torch.empty(2, 16), torch.randn(2, 64).bfloat16(), packed)
+    ext.bf16_linear_tiles(torch.empty(0, 32), torch.randn(0, 64).bfloat16(), packed)
+
+
 @pytest.mark.parametrize("rows", [1, 8, 13, 64])
 def test_q8_linear_q8_0_offset_in_integer_sums(rows):
     """An empty m says the codes are Q8_0's c + 128 (m = -128 d): the kernel adds -128 * the sum of

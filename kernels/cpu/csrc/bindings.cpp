@@ -22,6 +22,7 @@ void q8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
 void q8_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                      const at::Tensor& mn);
 void argmax_rows(at::Tensor& out, const at::Tensor& logits);
+void bf16_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed);
 bool amx_attention_available();
 void amx_chunk_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_table, int64_t ctx_len, double scale, int64_t sliding_window);
@@ -63,6 +64,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &pagedserve::q8_linear, "x @ w.T for packed 8-bit codes (w = d * c + m), rows quantized as q4_linear's");
   m.def("q8_linear_tiles", &pagedserve::q8_linear_tiles,
         "q8_linear on AMX tiles: bfloat16 x times the weights dequantized to bfloat16 (rows as q4_linear_tiles_rows)");
+  m.def("bf16_linear_tiles", &pagedserve::bf16_linear_tiles,
+        "bfloat16 x @ w.T on AMX tiles, w prepacked by kernels.reference.pack_tiles (an AMX build only)");
   m.def("argmax_rows", &pagedserve::argmax_rows,
         "out[r] = the first index of row r's maximum (of its first NaN if any), as numpy's argmax");
   m.def("lora_grouped", &pagedserve::lora_grouped,
@@ -85,6 +88,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("q4_linear_tiles(Tensor(a!) out, Tensor x, Tensor packed, Tensor d, Tensor mn) -> ()");
   m.def("q8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor d, Tensor mn) -> ()");
   m.def("q8_linear_tiles(Tensor(a!) out, Tensor x, Tensor packed, Tensor d, Tensor mn) -> ()");
+  m.def("bf16_linear_tiles(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
@@ -98,4 +102,5 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("q4_linear_tiles", &pagedserve::q4_linear_tiles);
   m.impl("q8_linear", &pagedserve::q8_linear);
   m.impl("q8_linear_tiles", &pagedserve::q8_linear_tiles);
+  m.impl("bf16_linear_tiles", &pagedserve::bf16_linear_tiles);
 }

@@ -1,4 +1,5 @@
-// The AMX path of Q4_1 linears and Q8_0 heads (q4_amx.cpp), for bfloat16 rows: q4_linear_tiles, q8_linear_tiles.
+// The AMX linears (q4_amx.cpp), for bfloat16 rows: Q4_1 and Q8_0 copies (q4_linear_tiles, q8_linear_tiles)
+// and dense bfloat16 weights prepacked in tiles (bf16_linear_tiles).
 #pragma once
 
 #include "common.h"
@@ -22,5 +23,8 @@ void q4_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
 // The same for q8_linear's 8-bit codes (mn empty: Q8_0's m = -128 d).
 void q8_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                    const at::Tensor& mn);
+
+// out = x @ w.T for bfloat16 x and w prepacked by kernels.reference.pack_tiles; out bfloat16 or float32.
+void bf16_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed);
 
 }  // namespace pagedserve
