@@ -162,6 +162,9 @@ void multiply_block(const uint16_t* const* a, int64_t K, int64_t G, uint32_t* w,
   if constexpr (NT > 3) _tile_stored(3, c + 768, 64);
 }
 
+// Bits for weights already in the tiles' layout (bf16_linear_tiles): multiply_pair only reads w0 and w1.
+constexpr int kDense = 16;
+
 // Two output blocks at once (dequantized into w0 and w1 on the first pass, wb0/wb1 non-null) times NT
 // (1 or 2) row tiles: each A tile loaded feeds both blocks, each B tile both row tiles, four
 // accumulators (0-1 block 0, 2-3 block 1), float32 into c [2][NT*16][16].
@@ -176,9 +179,11 @@ void multiply_pair(const uint16_t* const* a, int64_t K, int64_t G, uint32_t* w0,
   }
   const int64_t stride = K * 2;
   for (int64_t g = 0; g < G; ++g) {
-    if (wb0) {
-      dequantize_group<Bits>(wb0 + g * Bits * 64, d0 + g * kLanes, mn0 ? mn0 + g * kLanes : nullptr, w0 + g * 256);
-      dequantize_group<Bits>(wb1 + g * Bits * 64, d1 + g * kLanes, mn1 ? mn1 + g * kLanes : nullptr, w1 + g * 256);
+    if constexpr (Bits != kDense) {
+      if (wb0) {
+        dequantize_group<Bits>(wb0 + g * Bits * 64, d0 + g * kLanes, mn0 ? mn0 + g * kLanes : nullptr, w0 + g * 256);
+        dequantize_group<Bits>(wb1 + g * Bits * 64, d1 + g * kLanes, mn1 ? mn1 + g * kLanes : nullptr, w1 + g * 256);
+      }
     }
     _tile_loadd(6, w0 + g * 256, 64);
     _tile_loadd(7, w1 + g * 256, 64);
@@ -279,43 +284,13 @@ void run(const uint16_t* x, const uint16_t* tail, int64_t M, int64_t K, const ui
 }
 
 // Dense bfloat16 weights prepacked in the tile unit's pair-row layout (kernels.reference.pack_tiles:
-// [blocks][G][16 pair rows][16 lanes] dwords): nothing to dequantize, so every call runs two output
-// blocks at a time times two 16-row tiles of the input, over chunks of rows whose bfloat16 values fill
+// [blocks][G][16 pair rows][16 lanes] dwords): nothing to dequantize, so every call runs multiply_pair
+// (two output blocks at a time times two 16-row tiles of the input) over chunks of rows whose bfloat16 values fill
 // at most kDenseChunkBytes (they stay in L2 while each pair's B tiles, from L1, pass over them). Chunks
 // that large read the weights from memory once per chunk: in real steps (SmolLM2, 30 layers, weights
 // from DRAM) 64 decode rows took 15.7 ms of matmuls and 64 + a 150-token chunk 35.4 ms, against
 // 16.9/39.4 ms with 64-row chunks (and oneDNN's prepacked 21.1/37.7); hot in cache the two were level.
 constexpr int64_t kDenseChunkBytes = 1536 * 1024;
-
-template <int NT>
-inline void dense_pair(const uint16_t* a0, const uint16_t* a1, int64_t K, const uint32_t* w0, const uint32_t* w1,
-                       int64_t G, float* c) {
-  _tile_zero(0);
-  _tile_zero(2);
-  if constexpr (NT > 1) {
-    _tile_zero(1);
-    _tile_zero(3);
-  }
-  const int64_t stride = K * 2;
-  for (int64_t g = 0; g < G; ++g) {
-    _tile_loadd(6, w0 + g * 256, 64);
-    _tile_loadd(7, w1 + g * 256, 64);
-    _tile_loadd(4, a0 + g * kGroup, stride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 4, 7);
-    if constexpr (NT > 1) {
-      _tile_loadd(5, a1 + g * kGroup, stride);
-      _tile_dpbf16ps(1, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, c, 64);
-  _tile_stored(2, c + NT * 256, 64);
-  if constexpr (NT > 1) {
-    _tile_stored(1, c + 256, 64);
-    _tile_stored(3, c + NT * 256 + 256, 64);
-  }
-}
 
 // x's whole row tiles are read in place, its last partial one from `tail` (padded_tail).
 template <typename T>
@@ -324,6 +299,7 @@ void run_dense(const uint16_t* x, const uint16_t* tail, int64_t M, int64_t K, co
   const int64_t G = K / kGroup, N = blocks * kLanes, padded = (M + 15) / 16 * 16, whole = M / 16 * 16;
   const int64_t chunk = std::max<int64_t>(32, kDenseChunkBytes / (2 * K) / 32 * 32);
   auto rows_at = [&](int64_t m) { return m < whole ? x + m * K : tail; };
+  const float* none = nullptr;
   // pairs: an odd block count leaves one thread a single block, multiplied with itself as its pair
   const int64_t pairs = (blocks + 1) / 2;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs)));
@@ -339,10 +315,13 @@ void run_dense(const uint16_t* x, const uint16_t* tail, int64_t M, int64_t K, co
         const int64_t b = 2 * p, b1 = std::min(b + 1, blocks - 1);
         for (int64_t m0 = r0; m0 < r1; m0 += 32) {
           const int64_t nt = std::min<int64_t>(2, (r1 - m0) / 16);
+          const uint16_t* a[2] = {rows_at(m0), rows_at(m0 + 16)};
+          uint32_t* w0 = const_cast<uint32_t*>(wp + b * G * 256);  // read only: nothing to dequantize
+          uint32_t* w1 = const_cast<uint32_t*>(wp + b1 * G * 256);
           if (nt == 2)
-            dense_pair<2>(rows_at(m0), rows_at(m0 + 16), K, wp + b * G * 256, wp + b1 * G * 256, G, c);
+            multiply_pair<kDense, 2>(a, K, G, w0, w1, c, nullptr, nullptr, none, none, none, none);
           else
-            dense_pair<1>(rows_at(m0), nullptr, K, wp + b * G * 256, wp + b1 * G * 256, G, c);
+            multiply_pair<kDense, 1>(a, K, G, w0, w1, c, nullptr, nullptr, none, none, none, none);
           const int64_t rows = std::min(M - m0, nt * 16);
           for (int64_t r = 0; r < rows; ++r) {
             store16(c + r * kLanes, out + (m0 + r) * N + b * kLanes);
