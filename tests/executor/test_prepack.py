@@ -31,36 +31,30 @@ needs_tiles = pytest.mark.skipif(TILES is None, reason="no AMX tiles here")
 GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
 
 
-@needs_bf16_onednn
-@pytest.mark.parametrize("rows", [1, 3, 16, 64, 213, PACKED_MAX_ROWS])
+@pytest.mark.parametrize("kind", [pytest.param("onednn", marks=needs_bf16_onednn),
+                                  pytest.param("tiles", marks=needs_tiles)])
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 213, 512, 1024])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_matmul_equals_linear(rows, with_bias):
-    torch.manual_seed(rows)
-    w = torch.randn(96, 80, dtype=torch.bfloat16)
-    b = torch.randn(96, dtype=torch.bfloat16) if with_bias else None
-    x = torch.randn(rows, 80, dtype=torch.bfloat16)
-    got = pack(w, b).matmul(x).float()
-    want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    # both round their bfloat16 output once; their float32 sums may differ in order only
-    torch.testing.assert_close(got, want, atol=0.25, rtol=2e-2)
-    torch.testing.assert_close(got, F.linear(x, w, b).float(), atol=0.25, rtol=2e-2)
-
-
-@needs_tiles
-@pytest.mark.parametrize("rows", [1, 3, 16, 64, 213, TILES_MAX_ROWS])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_tiles_matmul_equals_linear(rows, with_bias):
+def test_packed_matmul_equals_linear(kind, rows, with_bias):
+    """Either copy against F.linear, up to its max_rows; above them packed_or_dense is F.linear itself."""
+    tiles = TILES if kind == "tiles" else None
+    max_rows = TILES_MAX_ROWS if tiles else PACKED_MAX_ROWS
+    if rows > max_rows:
+        rows = max_rows + 1
     torch.manual_seed(rows)
     w = torch.randn(96, 64, dtype=torch.bfloat16)
     b = torch.randn(96, dtype=torch.bfloat16) if with_bias else None
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
-    packed = pack(w, b, tiles_op=TILES)
-    assert packed.max_rows == TILES_MAX_ROWS and packed.packed.dtype == torch.int32
+    packed = pack(w, b, tiles_op=tiles)
+    assert packed.max_rows == max_rows and (packed.packed.dtype == torch.int32) == (kind == "tiles")
+    if rows > max_rows:
+        assert torch.equal(packed_or_dense(packed, x, w, b), F.linear(x, w, b))
+        return
     got = packed.matmul(x).float()
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    # both round their bfloat16 output once; their float32 sums may differ in order only
     torch.testing.assert_close(got, want, atol=0.25, rtol=2e-2)
-    big = torch.randn(TILES_MAX_ROWS + 1, 64, dtype=torch.bfloat16)
-    assert torch.equal(packed_or_dense(packed, big, w, b), F.linear(big, w, b))  # above max_rows: F.linear itself
+    torch.testing.assert_close(got, F.linear(x, w, b).float(), atol=0.25, rtol=2e-2)
 
 
 @needs_bf16_onednn
