@@ -142,6 +142,28 @@ inline void rotate_row_bf16(const c10::BFloat16* src, c10::BFloat16* dst, const 
 }
 #endif
 
+// A token's keys or values into its cache slot. Slots lie anywhere in the pool, so an ordinary store
+// first reads the line from DRAM (a decode step's 64 tokens x 30 layers: 2.3 ms, against 0.5 when the
+// slots follow each other); whole aligned lines go out as streaming stores, which read nothing.
+inline void write_slot(void* dst, const void* src, int64_t bytes) {
+#if defined(__AVX512F__)
+  if (reinterpret_cast<uintptr_t>(dst) % 64 == 0 && bytes % 64 == 0) {
+    for (int64_t i = 0; i < bytes; i += 64)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(static_cast<char*>(dst) + i),
+                          _mm512_loadu_si512(static_cast<const char*>(src) + i));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
+
+// Streaming stores are weakly ordered: fenced before the attention that reads them (another thread, maybe).
+inline void finish_slot_writes() {
+#if defined(__AVX512F__)
+  _mm_sfence();
+#endif
+}
+
 }  // namespace
 
 // out = weight * rms_norm(x), x [rows, hidden]
@@ -272,7 +294,8 @@ void rope_and_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tens
 #pragma omp parallel num_threads(threads_for(tokens, (num_heads + num_kv_heads) * D))
     {
       std::vector<float> x(D), y(D);
-#pragma omp for
+      std::vector<scalar_t> kbuf(kv_width);  // a token's rotated keys, on their way to the cache
+#pragma omp for nowait
       for (int64_t t = 0; t < tokens; ++t) {
         const float* c = cs + pp[t] * D;
         const float* s = c + half;
@@ -280,10 +303,11 @@ void rope_and_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tens
 #if defined(__AVX512F__)
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
           if (half % 16 == 0) {  // 1,800 tokens, Xeon: 0.27 ms a layer, the loop below 0.60
-            for (int64_t h = 0; h < num_heads + num_kv_heads; ++h)
-              rotate_row_bf16(row + h * D, h < num_heads ? row + h * D : kc + sp[t] * kv_width + (h - num_heads) * D,
-                              c, s, half);
-            std::memcpy(vc + sp[t] * kv_width, row + (num_heads + num_kv_heads) * D, kv_width * sizeof(scalar_t));
+            for (int64_t h = 0; h < num_heads; ++h) rotate_row_bf16(row + h * D, row + h * D, c, s, half);
+            for (int64_t h = 0; h < num_kv_heads; ++h)
+              rotate_row_bf16(row + (num_heads + h) * D, kbuf.data() + h * D, c, s, half);
+            write_slot(kc + sp[t] * kv_width, kbuf.data(), kv_width * sizeof(scalar_t));
+            write_slot(vc + sp[t] * kv_width, row + (num_heads + num_kv_heads) * D, kv_width * sizeof(scalar_t));
             continue;
           }
         }
@@ -313,6 +337,7 @@ void rope_and_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tens
           }
         }
       }
+      finish_slot_writes();
     }
   });
   });
