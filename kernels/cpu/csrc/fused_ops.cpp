@@ -143,8 +143,8 @@ inline void rotate_row_bf16(const c10::BFloat16* src, c10::BFloat16* dst, const 
 #endif
 
 // A token's keys or values into its cache slot. Slots lie anywhere in the pool, so an ordinary store
-// first reads the line from DRAM (a decode step's 64 tokens x 30 layers: 2.3 ms, against 0.5 when the
-// slots follow each other); whole aligned lines go out as streaming stores, which read nothing.
+// first reads the line from DRAM; whole aligned lines go out as streaming stores, which read nothing
+// (64 tokens each in its own block, 30 layers: 0.9 ms against 1.2-1.4; 214 tokens 2.2 against 3.2; AMX Xeon).
 inline void write_slot(void* dst, const void* src, int64_t bytes) {
 #if defined(__AVX512F__)
   if (reinterpret_cast<uintptr_t>(dst) % 64 == 0 && bytes % 64 == 0) {
