@@ -7,6 +7,12 @@ attention backend and dtype that ran, so kernel and dtype choices compare side b
 
     python -m benchmarks.executor_step [--batches 1 16 64] [--dtype auto] [--backend auto]
     python -m benchmarks.executor_step --compare torch:bfloat16 torch:float32 auto:auto
+    python -m benchmarks.executor_step --batches 64 --prefill 150   # C=64's mixed steps
+
+--prefill P adds a new P-token prompt to every step, as a closed loop of C users with short
+prompts runs them (at C=64, 64 output tokens: one ~150-token prompt a step), on one of 8 spare
+block tables taken in turn, so that its blocks were written before, as a server's recycled
+blocks are (fresh blocks of the zeroed pool would add first-touch page faults to the step).
 
 --compare runs each backend:dtype pair in turn in one process (the same prompts and
 block tables) and prints tok/s per batch size with the ratio to the first pair.
@@ -34,13 +40,17 @@ def _seq(i: int, tokens: list[int], start: int, table: list[int], block_size: in
                         slot_mapping=slots, sample=True, output_index=0, sampling=GREEDY)
 
 
+PREFILL_TABLES = 8  # spare block tables the --prefill prompts take in turn
+
+
 def time_batch(runner: ModelRunner, batch: int, context: int, steps: int, seed: int = 0,
-               decode_context=contextlib.nullcontext) -> dict:
+               decode_context=contextlib.nullcontext, prefill: int = 0) -> dict:
     bs = runner.block_size
     gen = torch.Generator().manual_seed(seed)
-    per_seq = -(-(context + context // 4 + steps + 1) // bs)
-    order = torch.randperm(runner.num_kv_blocks - 1, generator=gen)[: batch * per_seq] + 1
-    tables = [order[i * per_seq:(i + 1) * per_seq].tolist() for i in range(batch)]
+    per_seq = -(-max(context + context // 4 + steps + 1, prefill) // bs)
+    spare = PREFILL_TABLES if prefill else 0
+    order = torch.randperm(runner.num_kv_blocks - 1, generator=gen)[: (batch + spare) * per_seq] + 1
+    tables = [order[i * per_seq:(i + 1) * per_seq].tolist() for i in range(batch + spare)]
     lens = [max(1, context + int(torch.randint(-context // 4, context // 4 + 1, (1,), generator=gen)))
             for _ in range(batch)]
     last = []
@@ -48,20 +58,23 @@ def time_batch(runner: ModelRunner, batch: int, context: int, steps: int, seed: 
         seqs = [_seq(j, torch.randint(100, 40000, (lens[j],), generator=gen).tolist(), 0, tables[j], bs)
                 for j in range(i, min(batch, i + 8))]
         last += runner.execute(ExecuteStep(step_id=0, seqs=seqs))
+    prompt = torch.randint(100, 40000, (prefill,), generator=gen).tolist()
     times, forward = [], []
     with decode_context():
-        _decode(runner, batch, lens, tables, last, steps, times, forward)
+        _decode(runner, batch, lens, tables, last, steps, times, forward, prompt)
     step = statistics.median(times[2:])
     return {"batch": batch, "step_ms": step * 1e3, "tok_s": batch / step,
             "forward_share": statistics.median(forward[2:]) / step}
 
 
-def _decode(runner, batch, lens, tables, last, steps, times, forward) -> None:
+def _decode(runner, batch, lens, tables, last, steps, times, forward, prompt=()) -> None:
     bs = runner.block_size
     for s in range(steps):
         seqs = [_seq(j, [last[j]], lens[j] + s, tables[j], bs) for j in range(batch)]
+        if prompt:
+            seqs.append(_seq(batch + s % PREFILL_TABLES, list(prompt), 0, tables[batch + s % PREFILL_TABLES], bs))
         start = time.perf_counter()
-        last = runner.execute(ExecuteStep(step_id=s + 1, seqs=seqs))
+        last = runner.execute(ExecuteStep(step_id=s + 1, seqs=seqs))[:batch]
         times.append(time.perf_counter() - start)
         forward.append(runner.last_forward_s)
 
@@ -75,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prefill", type=int, default=0, help="a new prompt of this many tokens in every step")
     p.add_argument("--kv-blocks", type=int, default=4096)
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops for the last batch")
     p.add_argument("--compare", nargs="+", metavar="BACKEND:DTYPE[:QUANT]",
@@ -88,9 +102,10 @@ def main(argv: list[str] | None = None) -> None:
                          quantization=args.quantization)
     print(f"dtype {runner.dtype}, backend {runner.backend.name}, {_int4_label(runner)}, "
           f"threads {torch.get_num_threads()}")
-    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'forward':>8}")
+    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'forward':>8}"
+          + (f"  (+ a {args.prefill}-token prompt a step; tok/s counts decode rows)" if args.prefill else ""))
     for b in args.batches:
-        r = time_batch(runner, b, args.context, args.steps)
+        r = time_batch(runner, b, args.context, args.steps, prefill=args.prefill)
         print(f"{r['batch']:>5} {r['step_ms']:>8.2f} {r['tok_s']:>8.1f} {r['forward_share']:>8.1%}", flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
