@@ -72,7 +72,8 @@ def _decode(runner, batch, lens, tables, last, steps, times, forward, prompt=())
     for s in range(steps):
         seqs = [_seq(j, [last[j]], lens[j] + s, tables[j], bs) for j in range(batch)]
         if prompt:
-            seqs.append(_seq(batch + s % PREFILL_TABLES, list(prompt), 0, tables[batch + s % PREFILL_TABLES], bs))
+            spare = batch + s % PREFILL_TABLES
+            seqs.append(_seq(spare, list(prompt), 0, tables[spare], bs))
         start = time.perf_counter()
         last = runner.execute(ExecuteStep(step_id=s + 1, seqs=seqs))[:batch]
         times.append(time.perf_counter() - start)
