@@ -32,7 +32,10 @@ from benchmarks.executor_step import _seq
 from shared.messages import ExecuteStep
 
 OPS = ("paged_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rope_and_cache")
-CATEGORY = {"rms_norm": "norms", "fused_add_rms_norm": "norms", "silu_and_mul": "silu_and_mul",
+FUSED = ("q4_gate_up_silu_tiles", "bf16_gate_up_silu_tiles")  # gate/up matmuls with SiLU-and-mul, where offered
+CATEGORY = {"q4_gate_up_silu_tiles": "int4 matmul (gate/up with SiLU)",
+            "bf16_gate_up_silu_tiles": "dense matmul (packed; gate/up with SiLU)",
+            "rms_norm": "norms", "fused_add_rms_norm": "norms", "silu_and_mul": "silu_and_mul",
             "rope_and_cache": "rope + KV write", "paged_attention": "paged attention"}
 
 
@@ -68,7 +71,8 @@ def instrument(runner, timers: OpTimers) -> None:
                 return fn(*args, **kwargs)
         return timed
 
-    model.backend = dataclasses.replace(ops, **{n: wrap(n, getattr(ops, n)) for n in OPS})
+    model.backend = dataclasses.replace(ops, **{n: wrap(n, getattr(ops, n)) for n in OPS},
+                                        **{n: wrap(n, getattr(ops, n)) for n in FUSED if getattr(ops, n) is not None})
     model._layer_calls = None  # rebuilt from the wrapped backend
     forward = llama.Linear.forward
 

@@ -54,6 +54,11 @@ class AttentionBackend:
     # bfloat16 x @ w.T for a weight in kernels.reference.pack_tiles' layout (kernels.reference.bf16_linear_tiles;
     # may take out=, float32 or bfloat16); None: not offered
     bf16_linear_tiles: Callable | None = None
+    # silu(gate) * up of a gate/up weight (the gate's rows, then the up's) in one kernel, the same bits as
+    # q4_linear_tiles / bf16_linear_tiles and then silu_and_mul (kernels.reference.q4_gate_up_silu_tiles,
+    # bf16_gate_up_silu_tiles); None: not offered
+    q4_gate_up_silu_tiles: Callable | None = None
+    bf16_gate_up_silu_tiles: Callable | None = None
 
 
 _BACKENDS: dict[str, AttentionBackend] = {

@@ -68,12 +68,13 @@ def cpu_ops(ext) -> SimpleNamespace:
     ops = torch.ops.pagedserve
     for name in ("paged_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rope_and_cache",
                  "int8_group_linear", "q4_linear", "q4_linear_tiles", "q8_linear", "q8_linear_tiles",
-                 "bf16_linear_tiles"):
+                 "bf16_linear_tiles", "q4_gate_up_silu_tiles", "bf16_gate_up_silu_tiles"):
         # every argument they write is an input: nothing to allocate while tracing
         torch.library.register_fake(f"pagedserve::{name}", _writes_inputs_only)
     return SimpleNamespace(**{name: getattr(ops, name) for name in (
         "paged_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rope_and_cache", "int8_group_linear",
-        "q4_linear", "q4_linear_tiles", "q8_linear", "q8_linear_tiles", "bf16_linear_tiles")})
+        "q4_linear", "q4_linear_tiles", "q8_linear", "q8_linear_tiles", "bf16_linear_tiles", "q4_gate_up_silu_tiles",
+        "bf16_gate_up_silu_tiles")})
 
 
 def _writes_inputs_only(*args, **kwargs) -> None:

@@ -252,6 +252,12 @@ def q4_linear_tiles(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor) -> Tensor:
     return (x.double() @ q4_dequantize(packed, d, mn).double().t()).float().to(x.dtype)
 
 
+def q4_gate_up_silu_tiles(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor) -> Tensor:
+    """What the CPU kernel of that name computes: q4_linear_tiles of a gate/up weight (the gate's rows,
+    then the up's), then silu_and_mul."""
+    return silu_and_mul(q4_linear_tiles(x, packed, d, mn))
+
+
 def q8_dequantize(packed: Tensor, d: Tensor, mn: Tensor) -> Tensor:
     """The bfloat16 weight [N, K] of packed 8-bit codes (`q8_pack`; an empty mn: Q8_0's -128 d)."""
     blocks, groups, lanes = d.shape
@@ -295,6 +301,11 @@ def bf16_linear_tiles(x: Tensor, packed: Tensor, out: Tensor | None = None) -> T
     (here in float64, so the kernel differs by its float32 rounding); into out (float32 or bfloat16)."""
     y = (x.double() @ unpack_tiles(packed).double().t()).float()
     return y.to(x.dtype) if out is None else out.copy_(y)
+
+
+def bf16_gate_up_silu_tiles(x: Tensor, packed: Tensor) -> Tensor:
+    """What the CPU kernel of that name computes: bf16_linear_tiles of a gate/up weight, then silu_and_mul."""
+    return silu_and_mul(bf16_linear_tiles(x, packed))
 
 
 def q8_linear(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor, out: Tensor | None = None) -> Tensor:

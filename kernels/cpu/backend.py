@@ -145,6 +145,17 @@ def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int 
         kernels().bf16_linear_tiles(out, x.contiguous(), packed)
         return out
 
+    def q4_gate_up_silu_tiles(x: Tensor, packed: Tensor, d: Tensor, mn: Tensor) -> Tensor:
+        out = torch.empty(x.shape[0], d.shape[0] * d.shape[2] // 2, dtype=x.dtype)
+        kernels().q4_gate_up_silu_tiles(out, x.contiguous(), packed, d, mn)
+        return out
+
+    def bf16_gate_up_silu_tiles(x: Tensor, packed: Tensor) -> Tensor:
+        out = torch.empty(x.shape[0], packed.shape[0] * 8, dtype=x.dtype)
+        kernels().bf16_gate_up_silu_tiles(out, x.contiguous(), packed)
+        return out
+
+    tiles = bool(ext.q4_linear_tiles_rows())
     return AttentionBackend(
         name="cpu",
         write_kv_to_cache=reference.write_kv_to_cache,
@@ -160,11 +171,13 @@ def make_backend(ext, dense_min_rows: int = DENSE_MIN_ROWS, dense_min_work: int 
         q4_linear=coded_linear("q4_linear"),  # Q4_1 codes (kernels.reference.q4_pack)
         q8_linear=coded_linear("q8_linear"),  # 8-bit codes (kernels.reference.q8_pack)
         # Q4_1 on AMX tiles (kernels.reference.q4_linear_tiles), for bfloat16 steps of many rows
-        q4_linear_tiles=coded_linear("q4_linear_tiles") if ext.q4_linear_tiles_rows() else None,
+        q4_linear_tiles=coded_linear("q4_linear_tiles") if tiles else None,
         q4_tiles_min_rows=ext.q4_linear_tiles_rows(),
-        q8_linear_tiles=coded_linear("q8_linear_tiles") if ext.q4_linear_tiles_rows() else None,
+        q8_linear_tiles=coded_linear("q8_linear_tiles") if tiles else None,
         # dense bfloat16 weights prepacked for the tiles (kernels.reference.pack_tiles), for --prepack
-        bf16_linear_tiles=bf16_linear_tiles if ext.q4_linear_tiles_rows() else None,
+        bf16_linear_tiles=bf16_linear_tiles if tiles else None,
+        q4_gate_up_silu_tiles=q4_gate_up_silu_tiles if tiles else None,
+        bf16_gate_up_silu_tiles=bf16_gate_up_silu_tiles if tiles else None,
     )
 
 

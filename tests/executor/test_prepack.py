@@ -3,6 +3,8 @@ they apply."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,7 @@ from services.executor.prepack import (
     packed_or_dense,
     supported,
 )
+from services.executor.quantization import ALL_ROWS
 from shared.messages import ExecuteStep, ScheduledSeq, SeqSampling
 
 needs_bf16_onednn = pytest.mark.skipif(supported(torch.bfloat16, "cpu") is not None,
@@ -29,6 +32,7 @@ if _ext is not None and _ext.q4_linear_tiles_rows():
     TILES = make_backend(_ext).bf16_linear_tiles
 needs_tiles = pytest.mark.skipif(TILES is None, reason="no AMX tiles here")
 GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
+FUSED = ("q4_gate_up_silu_tiles", "bf16_gate_up_silu_tiles")
 
 
 @pytest.mark.parametrize("kind", [pytest.param("onednn", marks=needs_bf16_onednn),
@@ -120,3 +124,39 @@ def test_exact_and_deterministic_modes_keep_plain_weights(tiny_model_dir):
                                deterministic=True)):
         assert all(m.packed is None for m in runner.model.decoder_linears())
         assert runner.model.head_packed is None
+
+
+@needs_tiles
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_gate_up_and_silu_in_one_tile_kernel_keep_the_tokens(tiny_model_dir, quantization):
+    """Where the MLP's gate/up call runs on tiles (the dense tiles' copy; the int4 copies' tiles from 28
+    rows), it and SiLU-and-mul run as one kernel (`Linear.gate_up_silu`), to the same tokens as the two
+    ops in turn; other calls (the int4 copies' 1-row decode steps) keep the two ops."""
+    prompt = list(range(5, 45))
+
+    def runner(fused: bool) -> tuple[ModelRunner, list[str]]:
+        r = ModelRunner(tiny_model_dir, dtype="bfloat16", quantization=quantization, num_kv_blocks=16)
+        for m in r.model.decoder_linears():  # every call on the copies, from 28 rows on their tiles
+            if m.int4 is not None:
+                m.int4.max_rows, m.int4.tiles_from = ALL_ROWS, r.model.backend.q4_tiles_min_rows
+        ops, calls = r.model.backend, []
+
+        def counted(name):
+            fn = getattr(ops, name)
+
+            def call(*args):
+                calls.append(name)
+                return fn(*args)
+            return call if fused else None
+
+        r.model.backend = dataclasses.replace(ops, **{n: counted(n) for n in FUSED})
+        return r, calls
+
+    (fused, calls), (plain, none) = runner(True), runner(False)
+    assert _greedy(fused, prompt, 12) == _greedy(plain, prompt, 12)
+    layers = len(fused.model.model.layers)
+    if quantization == "int4":
+        assert calls == ["q4_gate_up_silu_tiles"] * layers  # the prompt step only
+    else:
+        assert calls == ["bf16_gate_up_silu_tiles"] * layers * 12
+    assert none == []

@@ -27,7 +27,7 @@ def test_kernels_built_for_avx2_match_the_reference():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "tests/kernels/test_cpu_kernels.py", "-k",
                            "not q4_linear_tiles_matches and not q4_linear_tiles_gives and not q8_linear_tiles_matches"
-                               " and not bf16_linear_tiles"],
+                               " and not bf16_linear_tiles and not gate_up_silu_tiles"],
                           cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -405,6 +405,58 @@ def test_bf16_linear_tiles_rejects_bad_arguments():
     ext.bf16_linear_tiles(torch.empty(0, 32), torch.randn(0, 64).bfloat16(), packed)
 
 
+@needs_tiles
+@pytest.mark.parametrize("rows", [1, 17, 32, 48, 65, 214, 300])
+@pytest.mark.parametrize(("inter", "k"), [(32, 64), (48, 96), (1536, 576)], ids=lambda v: str(v))
+def test_gate_up_silu_tiles_are_the_matmul_then_silu_and_mul(rows, inter, k):
+    """Both fused kernels give the bits of their tile matmul followed by silu_and_mul (gate block j paired
+    with up block j, combined as stored): rows past a tile, one 32-row pass and a 256-row chunk, an odd
+    block count in each half (48), SmolLM2's shape; and their torch references within bfloat16 rounding."""
+    g = torch.Generator().manual_seed(rows + inter)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    packed, d, m = reference.q4_pack(*q4_weight(2 * inter, k, rows))
+    d, m = d.half(), m.half()
+    two_ops = torch.empty(rows, 2 * inter, dtype=torch.bfloat16)
+    ext.q4_linear_tiles(two_ops, x, packed, d, m)
+    want = torch.empty(rows, inter, dtype=torch.bfloat16)
+    ext.silu_and_mul(want, two_ops)
+    got = torch.empty(rows, inter, dtype=torch.bfloat16)
+    ext.q4_gate_up_silu_tiles(got, x, packed, d, m)
+    assert torch.equal(got, want)
+    ref = reference.q4_gate_up_silu_tiles(x, packed, d, m).float()
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+    assert torch.equal(cpu.q4_gate_up_silu_tiles(x, packed, d, m), got)
+
+    tiles = reference.pack_tiles((torch.randn(2 * inter, k, generator=g) * 0.05).bfloat16())
+    two_ops = torch.empty(rows, 2 * inter, dtype=torch.bfloat16)
+    ext.bf16_linear_tiles(two_ops, x, tiles)
+    ext.silu_and_mul(want, two_ops)
+    ext.bf16_gate_up_silu_tiles(got, x, tiles)
+    assert torch.equal(got, want)
+    ref = reference.bf16_gate_up_silu_tiles(x, tiles).float()
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+    assert torch.equal(cpu.bf16_gate_up_silu_tiles(x, tiles), got)
+
+
+@needs_tiles
+def test_gate_up_silu_tiles_reject_bad_arguments():
+    """Halves that split a 16-output block, an output of the wrong width or dtype: errors, not reads past it."""
+    x = torch.randn(4, 64).bfloat16()
+    packed, d, m = reference.q4_pack(*q4_weight(48, 64, 0))  # 3 blocks: no gate/up halves
+    with pytest.raises(RuntimeError, match="even"):
+        ext.q4_gate_up_silu_tiles(torch.empty(4, 24, dtype=torch.bfloat16), x, packed, d, m)
+    with pytest.raises(RuntimeError, match="even"):
+        ext.bf16_gate_up_silu_tiles(torch.empty(4, 24, dtype=torch.bfloat16), x,
+                                    reference.pack_tiles(torch.randn(48, 64).bfloat16()))
+    packed, d, m = reference.q4_pack(*q4_weight(64, 64, 0))
+    tiles = reference.pack_tiles(torch.randn(64, 64).bfloat16())
+    for out in (torch.empty(4, 64, dtype=torch.bfloat16), torch.empty(4, 32)):
+        with pytest.raises(RuntimeError, match="out must be"):
+            ext.q4_gate_up_silu_tiles(out, x, packed, d, m)
+        with pytest.raises(RuntimeError, match="out must be"):
+            ext.bf16_gate_up_silu_tiles(out, x, tiles)
+
+
 @pytest.mark.parametrize("rows", [1, 8, 13, 64])
 def test_q8_linear_q8_0_offset_in_integer_sums(rows):
     """An empty m says the codes are Q8_0's c + 128 (m = -128 d): the kernel adds -128 * the sum of

@@ -23,6 +23,9 @@ void q8_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
                      const at::Tensor& mn);
 void argmax_rows(at::Tensor& out, const at::Tensor& logits);
 void bf16_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed);
+void q4_gate_up_silu_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                           const at::Tensor& mn);
+void bf16_gate_up_silu_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed);
 bool amx_attention_available();
 void amx_chunk_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_table, int64_t ctx_len, double scale, int64_t sliding_window);
@@ -66,6 +69,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "q8_linear on AMX tiles: bfloat16 x times the weights dequantized to bfloat16 (rows as q4_linear_tiles_rows)");
   m.def("bf16_linear_tiles", &pagedserve::bf16_linear_tiles,
         "bfloat16 x @ w.T on AMX tiles, w prepacked by kernels.reference.pack_tiles (an AMX build only)");
+  m.def("q4_gate_up_silu_tiles", &pagedserve::q4_gate_up_silu_tiles,
+        "q4_linear_tiles of a gate/up weight, then silu_and_mul, in one pass (out [rows, N / 2] bfloat16)");
+  m.def("bf16_gate_up_silu_tiles", &pagedserve::bf16_gate_up_silu_tiles,
+        "bf16_linear_tiles of a gate/up weight, then silu_and_mul, in one pass (out [rows, N / 2] bfloat16)");
   m.def("argmax_rows", &pagedserve::argmax_rows,
         "out[r] = the first index of row r's maximum (of its first NaN if any), as numpy's argmax");
   m.def("lora_grouped", &pagedserve::lora_grouped,
@@ -89,6 +96,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("q8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor d, Tensor mn) -> ()");
   m.def("q8_linear_tiles(Tensor(a!) out, Tensor x, Tensor packed, Tensor d, Tensor mn) -> ()");
   m.def("bf16_linear_tiles(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
+  m.def("q4_gate_up_silu_tiles(Tensor(a!) out, Tensor x, Tensor packed, Tensor d, Tensor mn) -> ()");
+  m.def("bf16_gate_up_silu_tiles(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
@@ -103,4 +112,6 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("q8_linear", &pagedserve::q8_linear);
   m.impl("q8_linear_tiles", &pagedserve::q8_linear_tiles);
   m.impl("bf16_linear_tiles", &pagedserve::bf16_linear_tiles);
+  m.impl("q4_gate_up_silu_tiles", &pagedserve::q4_gate_up_silu_tiles);
+  m.impl("bf16_gate_up_silu_tiles", &pagedserve::bf16_gate_up_silu_tiles);
 }

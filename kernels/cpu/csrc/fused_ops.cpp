@@ -7,6 +7,7 @@
 // so fused and unfused paths agree to the last bit in float32 and within a rounding
 // step in bfloat16. Rows run in parallel on torch's OpenMP threads.
 #include "common.h"
+#include "silu.h"
 #include "vec.h"
 
 #include <omp.h>
@@ -94,36 +95,10 @@ void add_rms_norm_row_bf16(c10::BFloat16* x, c10::BFloat16* residual, const c10:
   rms_norm_row_bf16(residual, w, x, n, eps);
 }
 
-// exp(-g) for silu_mul_row_bf16 as 2^(-g log2 e): the product's rounding error (and the constant's)
-// carried as a first-order correction, 2^fraction (vreduceps) by a degree-5 polynomial (relative
-// error 8e-8), times 2^floor by vscalefps (0 far below, inf far above). About as accurate as
-// vec::exp (about 1 ulp) in two thirds of its instructions, which bound the loop.
-inline __m512 exp_neg(__m512 g) {
-  const __m512 c = _mm512_set1_ps(-1.44269504088896341f);
-  const __m512 x = _mm512_mul_ps(g, c);
-  __m512 lo = _mm512_fmadd_ps(g, c, _mm512_sub_ps(_mm512_setzero_ps(), x));  // g c - x, exactly
-  lo = _mm512_fmadd_ps(g, _mm512_set1_ps(-1.925963033500011e-08f), lo);       // -log2 e - c
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_set1_ps(0.0018774129171108581f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.008989194644940081f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05582702168750069f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24015310042303142f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931531897495181f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999999194721327f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(lo, _mm512_set1_ps(0.6931471805599453f)), p);  // 2^lo = 1 + lo ln 2
-  return _mm512_scalef_ps(p, x);
-}
-
 // out = round(round(silu(gate)) * up), silu = gate / (1 + exp(-gate)) divided exactly (a Newton
 // reciprocal moved 1 in 10^4 outputs by a bfloat16 step)
 void silu_mul_row_bf16(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512 g = load_bf16(gate + i);
-    const __m512 d = _mm512_add_ps(one, exp_neg(g));
-    const __m512 silu = vec::round_bf16(_mm512_div_ps(g, d));
-    round_store_bf16(out + i, _mm512_mul_ps(silu, load_bf16(up + i)));
-  }
+  for (int64_t i = 0; i < n; i += 16) round_store_bf16(out + i, silu_mul(load_bf16(gate + i), load_bf16(up + i)));
 }
 
 // One bfloat16 head row rotated (NeoX halves, `half` a multiple of 16) into dst, with rope_and_cache's

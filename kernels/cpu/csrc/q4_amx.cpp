@@ -16,6 +16,7 @@
 #include "q4_amx.h"
 
 #include "amx_tiles.h"
+#include "silu.h"
 
 #include <omp.h>
 
@@ -190,7 +191,7 @@ struct Ahead {
 template <int Bits, int NT, typename S>
 void multiply_pair(const uint16_t* const* a, int64_t K, int64_t G, uint32_t* w0, uint32_t* w1, float* c,
                    const uint8_t* wb0, const uint8_t* wb1, const S* d0, const S* d1, const S* mn0, const S* mn1,
-                   Ahead* ahead = nullptr) {
+                   Ahead* ahead = nullptr, Ahead* ahead2 = nullptr) {
   _tile_zero(0);
   _tile_zero(2);
   if constexpr (NT > 1) {
@@ -206,6 +207,7 @@ void multiply_pair(const uint16_t* const* a, int64_t K, int64_t G, uint32_t* w0,
       }
     }
     if (ahead) ahead->step();
+    if (ahead2) ahead2->step();
     _tile_loadd(6, w0 + g * 256, 64);
     _tile_loadd(7, w1 + g * 256, 64);
     _tile_loadd(4, a[0] + g * kGroup, stride);
@@ -234,13 +236,29 @@ inline void store16(const float* c, T* out) {
                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(c))));
 }
 
+// silu(gate) * up into 16 bfloat16 outputs from a pair's float32 sums: each rounded to bfloat16 first, as
+// the gate/up linear's output holds them, then silu_and_mul's arithmetic, so the bits are those of the two
+// ops in turn.
+inline void store_silu16(const float* gate, const float* up, c10::BFloat16* out) {
+  auto rounded = [](const float* p) {
+    const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  };
+  const __m512 v = silu_mul(rounded(gate), rounded(up));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
 // x's whole row tiles are read in place, the last partial one from `tail` (16 rows, zero-padded).
-template <int Bits, typename S, typename T>
+// Silu: the weight is a gate projection's blocks then an up projection's (blocks / 2 each), and out [M,
+// blocks / 2 * 16] (bfloat16) gets silu(gate) * up: gate block j and up block j go as one pair, whatever
+// the row count, and are combined as they are stored.
+template <int Bits, bool Silu = false, typename S, typename T>
 void run(const uint16_t* x, const uint16_t* tail, int64_t M, int64_t K, const uint8_t* wp, const S* d, const S* mn,
          int64_t blocks, T* out) {
-  const int64_t G = K / kGroup, N = blocks * kLanes, padded = (M + 15) / 16 * 16, whole = M / 16 * 16;
+  const int64_t G = K / kGroup, padded = (M + 15) / 16 * 16, whole = M / 16 * 16;
+  const int64_t half = blocks / 2, units = Silu ? half : blocks, N = units * kLanes;  // N: out's columns
   auto rows_at = [&](int64_t m) { return m < whole ? x + m * K : tail; };
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks)));
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units)));
 #pragma omp parallel num_threads(threads)
   {
     amx::configure_tiles();
@@ -248,7 +266,7 @@ void run(const uint16_t* x, const uint16_t* tail, int64_t M, int64_t K, const ui
     uint32_t* w1 = thread_scratch<2, uint32_t>(G * 256);  // a second block's, for pairs
     alignas(64) float c[kTiles * 16 * kLanes];
     const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
+    const int64_t b0 = units * t / n, b1 = units * (t + 1) / n;
     const bool pairs = padded >= kPairRows;
     // block b's packed weights, scales and mins (none: Q8_0's -128 d)
     auto weights_at = [&](int64_t b) { return wp + b * G * Bits * 64; };
@@ -260,6 +278,29 @@ void run(const uint16_t* x, const uint16_t* tail, int64_t M, int64_t K, const ui
     };
     for (int64_t r0 = 0; r0 < padded; r0 += kRowChunk) {
       const int64_t r1 = std::min(padded, r0 + kRowChunk);
+      if constexpr (Silu) {
+        for (int64_t j = b0; j < b1; ++j) {  // gate block j and up block half + j
+          if (j + 1 < b1) {
+            prefetch(j + 1, 1);
+            prefetch(half + j + 1, 1);
+          }
+          for (int64_t m0 = r0; m0 < r1; m0 += 32) {
+            const int64_t nt = std::min<int64_t>(2, (r1 - m0) / 16);
+            const bool first = m0 == r0;
+            const uint8_t* wb0 = first ? weights_at(j) : nullptr;
+            const uint8_t* wb1 = first ? weights_at(half + j) : nullptr;
+            const uint16_t* a[2] = {rows_at(m0), rows_at(m0 + 16)};
+            if (nt == 2)
+              multiply_pair<Bits, 2>(a, K, G, w, w1, c, wb0, wb1, d_at(j), d_at(half + j), mn_at(j), mn_at(half + j));
+            else
+              multiply_pair<Bits, 1>(a, K, G, w, w1, c, wb0, wb1, d_at(j), d_at(half + j), mn_at(j), mn_at(half + j));
+            const int64_t rows = std::min(M - m0, nt * 16);
+            for (int64_t r = 0; r < rows; ++r)
+              store_silu16(c + r * kLanes, c + nt * 256 + r * kLanes, out + (m0 + r) * N + j * kLanes);
+          }
+        }
+        continue;
+      }
       for (int64_t b = b0; b < b1; ++b) {
         if (pairs && b + 1 < b1) {  // blocks b and b + 1 together
           if (b + 2 < b1) prefetch(b + 2, std::min<int64_t>(2, b1 - b - 2));
@@ -313,16 +354,17 @@ void run(const uint16_t* x, const uint16_t* tail, int64_t M, int64_t K, const ui
 // 16.9/39.4 ms with 64-row chunks (and oneDNN's prepacked 21.1/37.7); hot in cache the two were level.
 constexpr int64_t kDenseChunkBytes = 1536 * 1024;
 
-// x's whole row tiles are read in place, its last partial one from `tail` (padded_tail).
-template <typename T>
+// x's whole row tiles are read in place, its last partial one from `tail` (padded_tail). Silu: as run's.
+template <bool Silu = false, typename T>
 void run_dense(const uint16_t* x, const uint16_t* tail, int64_t M, int64_t K, const uint32_t* wp, int64_t blocks,
                T* out) {
-  const int64_t G = K / kGroup, N = blocks * kLanes, padded = (M + 15) / 16 * 16, whole = M / 16 * 16;
+  const int64_t G = K / kGroup, padded = (M + 15) / 16 * 16, whole = M / 16 * 16;
+  const int64_t half = blocks / 2, N = (Silu ? half : blocks) * kLanes;
   const int64_t chunk = std::max<int64_t>(32, kDenseChunkBytes / (2 * K) / 32 * 32);
   auto rows_at = [&](int64_t m) { return m < whole ? x + m * K : tail; };
   const float* none = nullptr;
   // pairs: an odd block count leaves one thread a single block, multiplied with itself as its pair
-  const int64_t pairs = (blocks + 1) / 2;
+  const int64_t pairs = Silu ? half : (blocks + 1) / 2;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs)));
 #pragma omp parallel num_threads(threads)
   {
@@ -334,21 +376,33 @@ void run_dense(const uint16_t* x, const uint16_t* tail, int64_t M, int64_t K, co
       const int64_t r1 = std::min(padded, r0 + chunk);
       const int64_t passes = (r1 - r0 + 31) / 32;
       for (int64_t p = p0; p < p1; ++p) {
-        const int64_t b = 2 * p, b1 = std::min(b + 1, blocks - 1);
+        const int64_t b = Silu ? p : 2 * p, b1 = Silu ? half + p : std::min(b + 1, blocks - 1);
         // the next pair's weights, over this pair's products
-        Ahead ahead;
-        if (p + 1 < p1) ahead = Ahead(wp + 2 * (p + 1) * G * 256, std::min<int64_t>(2, blocks - 2 * (p + 1)) * G * 1024,
-                                      passes * G);
+        Ahead ahead, ahead2;
+        if (p + 1 < p1) {
+          if constexpr (Silu) {
+            ahead = Ahead(wp + (p + 1) * G * 256, G * 1024, passes * G);
+            ahead2 = Ahead(wp + (half + p + 1) * G * 256, G * 1024, passes * G);
+          } else {
+            ahead = Ahead(wp + 2 * (p + 1) * G * 256, std::min<int64_t>(2, blocks - 2 * (p + 1)) * G * 1024,
+                          passes * G);
+          }
+        }
         for (int64_t m0 = r0; m0 < r1; m0 += 32) {
           const int64_t nt = std::min<int64_t>(2, (r1 - m0) / 16);
           const uint16_t* a[2] = {rows_at(m0), rows_at(m0 + 16)};
           uint32_t* w0 = const_cast<uint32_t*>(wp + b * G * 256);  // read only: nothing to dequantize
           uint32_t* w1 = const_cast<uint32_t*>(wp + b1 * G * 256);
           if (nt == 2)
-            multiply_pair<kDense, 2>(a, K, G, w0, w1, c, nullptr, nullptr, none, none, none, none, &ahead);
+            multiply_pair<kDense, 2>(a, K, G, w0, w1, c, nullptr, nullptr, none, none, none, none, &ahead, &ahead2);
           else
-            multiply_pair<kDense, 1>(a, K, G, w0, w1, c, nullptr, nullptr, none, none, none, none, &ahead);
+            multiply_pair<kDense, 1>(a, K, G, w0, w1, c, nullptr, nullptr, none, none, none, none, &ahead, &ahead2);
           const int64_t rows = std::min(M - m0, nt * 16);
+          if constexpr (Silu) {
+            for (int64_t r = 0; r < rows; ++r)
+              store_silu16(c + r * kLanes, c + nt * 256 + r * kLanes, out + (m0 + r) * N + p * kLanes);
+            continue;
+          }
           for (int64_t r = 0; r < rows; ++r) {
             store16(c + r * kLanes, out + (m0 + r) * N + b * kLanes);
             if (b1 != b) store16(c + nt * 256 + r * kLanes, out + (m0 + r) * N + b1 * kLanes);
@@ -377,7 +431,7 @@ int64_t q4_linear_tiles_rows() {
 
 #ifdef PAGEDSERVE_AMX
 namespace {
-template <int Bits>
+template <int Bits, bool Silu = false>
 void coded_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                       const at::Tensor& mn) {
   const int64_t M = x.size(0), K = x.size(1), blocks = d.size(0);
@@ -385,7 +439,9 @@ void coded_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
   const uint16_t* tail = padded_tail(xr, M, K);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   auto go = [&](const auto* dp, const auto* mp) {
-    if (out.scalar_type() == at::kFloat)
+    if constexpr (Silu)
+      run<Bits, true>(xr, tail, M, K, wp, dp, mp, blocks, out.data_ptr<c10::BFloat16>());
+    else if (out.scalar_type() == at::kFloat)
       run<Bits>(xr, tail, M, K, wp, dp, mp, blocks, out.data_ptr<float>());
     else
       run<Bits>(xr, tail, M, K, wp, dp, mp, blocks, out.data_ptr<c10::BFloat16>());
@@ -403,6 +459,13 @@ void q4_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
                    const at::Tensor& mn) {
 #ifdef PAGEDSERVE_AMX
   coded_linear_amx<4>(out, x, packed, d, mn);
+#endif
+}
+
+void q4_gate_up_silu_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                         const at::Tensor& mn) {
+#ifdef PAGEDSERVE_AMX
+  coded_linear_amx<4, true>(out, x, packed, d, mn);
 #endif
 }
 
@@ -436,6 +499,30 @@ void bf16_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
     run_dense(xr, tail, M, K, wp, blocks, out.data_ptr<c10::BFloat16>());
 #else
   TORCH_CHECK(false, "bf16_linear_tiles: this build has no AMX tiles");
+#endif
+}
+
+// out [M, N / 2] bfloat16 = silu(x @ gate.T) * (x @ up.T), the prepacked weight's blocks the gate's then the
+// up's: bf16_linear_tiles then silu_and_mul in one pass, to the same bits.
+void bf16_gate_up_silu_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "bf16_gate_up_silu_tiles: x");
+  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 16 &&
+                  packed.is_contiguous() && packed.size(0) % 2 == 0,
+              "bf16_gate_up_silu_tiles: packed must be pack_tiles' int32 [N/16, K/32, 16, 16], N/16 even");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 32 == K, "bf16_gate_up_silu_tiles: x has ", K, " columns, the weight ",
+              packed.size(1) * 32);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == blocks * 8 && out.is_contiguous() &&
+                  out.scalar_type() == at::kBFloat16,
+              "bf16_gate_up_silu_tiles: out must be a contiguous bfloat16 [rows, N / 2]");
+#ifdef PAGEDSERVE_AMX
+  TORCH_CHECK(amx_attention_available(), "bf16_gate_up_silu_tiles: no AMX tiles here");
+  if (M == 0) return;
+  const auto* xr = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  run_dense<true>(xr, padded_tail(xr, M, K), M, K, reinterpret_cast<const uint32_t*>(packed.data_ptr()), blocks,
+                  out.data_ptr<c10::BFloat16>());
+#else
+  TORCH_CHECK(false, "bf16_gate_up_silu_tiles: this build has no AMX tiles");
 #endif
 }
 

@@ -20,11 +20,17 @@ int64_t q4_linear_tiles_rows();
 // q4_linear's contract (arguments already checked by coded_linear); out float32 or bfloat16.
 void q4_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                    const at::Tensor& mn);
+// q4_linear_amx of a gate/up weight (the gate's N / 2 rows, then the up's) into out [M, N / 2] bfloat16:
+// silu(gate) * up, as silu_and_mul rounds it.
+void q4_gate_up_silu_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                         const at::Tensor& mn);
 // The same for q8_linear's 8-bit codes (mn empty: Q8_0's m = -128 d).
 void q8_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                    const at::Tensor& mn);
 
 // out = x @ w.T for bfloat16 x and w prepacked by kernels.reference.pack_tiles; out bfloat16 or float32.
 void bf16_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed);
+// bf16_linear_tiles then silu_and_mul for a gate/up weight (the gate's blocks, then the up's): out [M, N / 2].
+void bf16_gate_up_silu_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed);
 
 }  // namespace pagedserve

@@ -357,7 +357,7 @@ void block_rows(const uint8_t* wp, const S* d, const S* mn, Rows x, int64_t rows
 // tiles: by q4_amx.cpp's tile path instead of the integer one (bfloat16 x, AMX).
 template <int Bits>
 void coded_linear(const char* name, at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                  const at::Tensor& d, const at::Tensor& mn, bool tiles = false) {
+                  const at::Tensor& d, const at::Tensor& mn, bool tiles = false, bool silu = false) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be [M, K], contiguous");
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
   TORCH_CHECK(K % kGroup == 0, name, ": K must be a multiple of ", kGroup);
@@ -370,6 +370,13 @@ void coded_linear(const char* name, at::Tensor& out, const at::Tensor& x, const 
   const int64_t blocks = d.size(0), N = blocks * kLanes;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == N * K * Bits / 8,
               name, ": packed must be uint8 with N * K * ", Bits, " / 8 bytes, contiguous");
+  if (silu) {
+    TORCH_CHECK(blocks % 2 == 0 && out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.size(0) == M &&
+                    out.size(1) == N / 2 && out.is_contiguous(),
+                name, ": out must be bfloat16 [M, N / 2], contiguous, N / 16 even");
+    TORCH_CHECK(q4_amx_applies(x), name, ": needs bfloat16 rows and AMX tiles (q4_linear_tiles_rows)");
+    if constexpr (Bits == 4) return q4_gate_up_silu_amx(out, x, packed, d, mn);
+  }
   TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == x.scalar_type()) && out.dim() == 2 &&
                   out.size(0) == M && out.size(1) == N && out.is_contiguous(),
               name, ": out must be float32 or x's dtype, [M, N], contiguous");
@@ -448,6 +455,13 @@ void q4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
 void q4_linear_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                      const at::Tensor& mn) {
   coded_linear<4>("q4_linear_tiles", out, x, packed, d, mn, true);
+}
+
+// q4_linear_tiles of a gate/up weight (the gate's rows, then the up's) followed by silu_and_mul, in one
+// pass: out [M, N / 2] bfloat16, the same bits as the two ops.
+void q4_gate_up_silu_tiles(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                           const at::Tensor& mn) {
+  coded_linear<4>("q4_gate_up_silu_tiles", out, x, packed, d, mn, true, true);
 }
 
 // The same for 8-bit codes 0..255 (kernels/reference.py's q8_pack): GGUF's Q8_0 (w = s * c, c in
