@@ -83,9 +83,13 @@ class Q4Weight:
     tiles: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     tiles_from: int = ALL_ROWS
 
+    def on_tiles(self, x: Tensor) -> bool:
+        """Whether a call on x runs on `tiles` (tiles_from is ALL_ROWS where there are none)."""
+        return x.shape[0] >= self.tiles_from and x.dtype == torch.bfloat16
+
     def matmul(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         """x @ w.T; into out (float32 [rows, out_features]) when given."""
-        op = self.tiles if x.shape[0] >= self.tiles_from and x.dtype == torch.bfloat16 else self.op
+        op = self.tiles if self.on_tiles(x) else self.op
         return op(x, self.packed, self.d, self.m) if out is None else op(x, self.packed, self.d, self.m, out)
 
     @property

@@ -276,6 +276,23 @@ void run(const uint16_t* x, const uint16_t* tail, int64_t M, int64_t K, const ui
       prefetch_block(weights_at(b), d_at(b), mn_at(b), count * G * Bits * 64,
                      count * G * kLanes * static_cast<int64_t>(sizeof(S)));
     };
+    // rows [r0, r1) times blocks b and p together, 32 rows a pass (dequantized on the first); store(row,
+    // its 16 sums of block b, of block p) takes each row's results
+    auto pair_passes = [&](int64_t r0, int64_t r1, int64_t b, int64_t p, auto&& store) {
+      for (int64_t m0 = r0; m0 < r1; m0 += 32) {
+        const int64_t nt = std::min<int64_t>(2, (r1 - m0) / 16);
+        const bool first = m0 == r0;
+        const uint8_t* wb0 = first ? weights_at(b) : nullptr;
+        const uint8_t* wb1 = first ? weights_at(p) : nullptr;
+        const uint16_t* a[2] = {rows_at(m0), rows_at(m0 + 16)};
+        if (nt == 2)
+          multiply_pair<Bits, 2>(a, K, G, w, w1, c, wb0, wb1, d_at(b), d_at(p), mn_at(b), mn_at(p));
+        else
+          multiply_pair<Bits, 1>(a, K, G, w, w1, c, wb0, wb1, d_at(b), d_at(p), mn_at(b), mn_at(p));
+        const int64_t rows = std::min(M - m0, nt * 16);
+        for (int64_t r = 0; r < rows; ++r) store(m0 + r, c + r * kLanes, c + nt * 256 + r * kLanes);
+      }
+    };
     for (int64_t r0 = 0; r0 < padded; r0 += kRowChunk) {
       const int64_t r1 = std::min(padded, r0 + kRowChunk);
       if constexpr (Silu) {
@@ -284,42 +301,19 @@ void run(const uint16_t* x, const uint16_t* tail, int64_t M, int64_t K, const ui
             prefetch(j + 1, 1);
             prefetch(half + j + 1, 1);
           }
-          for (int64_t m0 = r0; m0 < r1; m0 += 32) {
-            const int64_t nt = std::min<int64_t>(2, (r1 - m0) / 16);
-            const bool first = m0 == r0;
-            const uint8_t* wb0 = first ? weights_at(j) : nullptr;
-            const uint8_t* wb1 = first ? weights_at(half + j) : nullptr;
-            const uint16_t* a[2] = {rows_at(m0), rows_at(m0 + 16)};
-            if (nt == 2)
-              multiply_pair<Bits, 2>(a, K, G, w, w1, c, wb0, wb1, d_at(j), d_at(half + j), mn_at(j), mn_at(half + j));
-            else
-              multiply_pair<Bits, 1>(a, K, G, w, w1, c, wb0, wb1, d_at(j), d_at(half + j), mn_at(j), mn_at(half + j));
-            const int64_t rows = std::min(M - m0, nt * 16);
-            for (int64_t r = 0; r < rows; ++r)
-              store_silu16(c + r * kLanes, c + nt * 256 + r * kLanes, out + (m0 + r) * N + j * kLanes);
-          }
+          pair_passes(r0, r1, j, half + j, [&](int64_t m, const float* gate, const float* up) {
+            store_silu16(gate, up, out + m * N + j * kLanes);
+          });
         }
         continue;
       }
       for (int64_t b = b0; b < b1; ++b) {
         if (pairs && b + 1 < b1) {  // blocks b and b + 1 together
           if (b + 2 < b1) prefetch(b + 2, std::min<int64_t>(2, b1 - b - 2));
-          for (int64_t m0 = r0; m0 < r1; m0 += 32) {
-            const int64_t nt = std::min<int64_t>(2, (r1 - m0) / 16);
-            const bool first = m0 == r0;
-            const uint8_t* wb0 = first ? weights_at(b) : nullptr;
-            const uint8_t* wb1 = first ? weights_at(b + 1) : nullptr;
-            const uint16_t* a[2] = {rows_at(m0), rows_at(m0 + 16)};
-            if (nt == 2)
-              multiply_pair<Bits, 2>(a, K, G, w, w1, c, wb0, wb1, d_at(b), d_at(b + 1), mn_at(b), mn_at(b + 1));
-            else
-              multiply_pair<Bits, 1>(a, K, G, w, w1, c, wb0, wb1, d_at(b), d_at(b + 1), mn_at(b), mn_at(b + 1));
-            const int64_t rows = std::min(M - m0, nt * 16);
-            for (int64_t r = 0; r < rows; ++r) {
-              store16(c + r * kLanes, out + (m0 + r) * N + b * kLanes);
-              store16(c + nt * 256 + r * kLanes, out + (m0 + r) * N + (b + 1) * kLanes);
-            }
-          }
+          pair_passes(r0, r1, b, b + 1, [&](int64_t m, const float* c0, const float* c1) {
+            store16(c0, out + m * N + b * kLanes);
+            store16(c1, out + m * N + (b + 1) * kLanes);
+          });
           ++b;
           continue;
         }

@@ -107,8 +107,7 @@ class Linear(nn.Linear):
         if (x.dtype == torch.bfloat16 and self.out_features % 32 == 0 and self._parameters["bias"] is None
                 and not torch.compiler.is_compiling()):
             if q is not None and n <= q.max_rows:
-                if (type(q) is Q4Weight and q.tiles is not None and n >= q.tiles_from
-                        and ops.q4_gate_up_silu_tiles is not None):
+                if type(q) is Q4Weight and q.on_tiles(x) and ops.q4_gate_up_silu_tiles is not None:
                     return ops.q4_gate_up_silu_tiles(x, q.packed, q.d, q.m)
             elif (not self.tile_rows and packed is not None and packed.tiles_op is not None and n <= packed.max_rows
                   and ops.bf16_gate_up_silu_tiles is not None):
